@@ -1,0 +1,1 @@
+"""rlctl_local_engine plugin package."""

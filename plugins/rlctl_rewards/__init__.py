@@ -1,0 +1,1 @@
+"""rlctl_rewards plugin package."""

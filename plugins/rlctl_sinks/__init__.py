@@ -1,0 +1,1 @@
+"""rlctl_sinks plugin package."""

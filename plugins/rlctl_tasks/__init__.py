@@ -1,0 +1,1 @@
+"""rlctl_tasks plugin package."""

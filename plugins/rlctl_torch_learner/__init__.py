@@ -1,0 +1,1 @@
+"""rlctl_torch_learner plugin package."""

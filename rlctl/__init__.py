@@ -1,0 +1,54 @@
+"""rlctl: reliable, versioned LLM RL post-training from one CLI.
+
+Public API for plugin authors: the ``hookimpl`` marker, the contract types and
+the errors. Importing rlctl never imports torch.
+"""
+
+from rlctl.contracts.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ModelError,
+    PluginError,
+    RegistryError,
+    RlctlError,
+    RoleError,
+)
+from rlctl.contracts.types import (
+    PromptRecord,
+    RewardResult,
+    RolloutRequest,
+    SamplingConfig,
+    Split,
+    TaskData,
+    TerminalReason,
+    Trajectory,
+    WeightManifest,
+    WeightUpdate,
+)
+from rlctl.hooks.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "hookimpl",
+    "PromptRecord",
+    "RewardResult",
+    "RolloutRequest",
+    "SamplingConfig",
+    "Split",
+    "TaskData",
+    "TerminalReason",
+    "Trajectory",
+    "WeightManifest",
+    "WeightUpdate",
+    "RlctlError",
+    "ConfigError",
+    "DataError",
+    "ModelError",
+    "PluginError",
+    "RegistryError",
+    "CheckpointError",
+    "RoleError",
+    "__version__",
+]

@@ -1,0 +1,184 @@
+"""User-facing configuration: pydantic models with ``extra="forbid"``.
+
+What this is: the schema of a run config (configs/*.yaml), its defaults (vetted
+settings for the tiny CPU quickstart) and cross-field rules whose messages say
+how to fix the problem. Plugin options (``options:`` blocks) are validated by
+the plugin's own model when its name is resolved.
+
+What this is not: loading files or applying overrides (rlctl.config.load).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class RunSection(_Strict):
+    name: str = Field("run", description="Human-readable run name; not an identity.")
+    seed: int = Field(0, description="Seed for data order, sampling and init.")
+
+
+class WarmStartConfig(_Strict):
+    """Short supervised stage that gives the built-in tiny model a starting policy."""
+
+    enabled: bool = Field(True, description="Run SFT before RL when the model is built in.")
+    steps: int = Field(600, ge=0, description="Supervised optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Sequences per SFT step.")
+    lr: float = Field(3e-3, gt=0, description="Peak SFT learning rate (cosine decay).")
+
+
+class ModelConfig(_Strict):
+    path: str = Field(
+        "builtin:tiny",
+        description="'builtin:tiny' builds the embedded model; otherwise a local Hugging Face "
+        "causal-LM directory (the tokenizer is loaded from the same directory).",
+    )
+    hidden_size: int = Field(128, ge=8, description="builtin:tiny only: width.")
+    num_layers: int = Field(4, ge=1, description="builtin:tiny only: decoder layers.")
+    num_heads: int = Field(4, ge=1, description="builtin:tiny only: attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="builtin:tiny only: KV heads (GQA).")
+    intermediate_size: int = Field(384, ge=8, description="builtin:tiny only: MLP width.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @property
+    def builtin(self) -> bool:
+        return self.path.startswith("builtin:")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.builtin and self.path != "builtin:tiny":
+            raise ValueError(f"unknown built-in model {self.path!r}; use 'builtin:tiny' or a local directory")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                "model.hidden_size must be divisible by num_heads and num_heads by num_kv_heads "
+                f"(got {self.hidden_size}/{self.num_heads}/{self.num_kv_heads})"
+            )
+        return self
+
+
+class TaskConfig(_Strict):
+    source: str = Field("arith", description="Registered task source name (see `rlctl plugins`).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the source.")
+
+
+class RolloutConfig(_Strict):
+    backend: str = Field("local", description="Registered rollout backend name.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k truncation; 0 = off.")
+    max_tokens: int = Field(12, ge=1, description="Max new tokens per response.")
+    truncation_penalty: float | None = Field(
+        0.0,
+        description="Reward given to responses cut at max_tokens (replaces the graded reward); "
+        "null keeps the graded reward.",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the backend.")
+
+
+class RewardComponentConfig(_Strict):
+    name: str = Field(description="Registered reward function name.")
+    weight: float = Field(1.0, description="Weight in the mixed total.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the function.")
+
+
+def _default_rewards() -> list[RewardComponentConfig]:
+    return [
+        RewardComponentConfig(name="math", weight=1.0),
+        RewardComponentConfig(name="format", weight=0.1),
+    ]
+
+
+class RewardConfig(_Strict):
+    components: list[RewardComponentConfig] = Field(
+        default_factory=_default_rewards, min_length=1, description="Weighted reward components."
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> "RewardConfig":
+        names = [c.name for c in self.components]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"reward component(s) listed twice: {', '.join(dup)}; list each once")
+        return self
+
+
+class KLConfig(_Strict):
+    coef: float = Field(0.0, ge=0.0, description="beta; 0 disables the reference model.")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (SPEC R-ALGO-4).")
+    placement: Literal["loss", "reward"] = Field("loss", description="Add to the loss or subtract from the reward.")
+
+
+class AlgoConfig(_Strict):
+    name: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
+    group_size: int = Field(8, description="G: samples per prompt (>= 2 for a group baseline).")
+    prompts_per_step: int = Field(16, ge=1, description="B: prompts per step; batch = B x G.")
+    normalize_std: bool = Field(True, description="Divide group advantages by the group std.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side).")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (DAPO clip-higher); default = clip_eps.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses reduce to a scalar (SPEC R-ALGO-6)."
+    )
+    ppo_epochs: int = Field(1, ge=1, le=8, description="Passes over each batch.")
+    num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward (grad accumulation).")
+    kl: KLConfig = Field(default_factory=KLConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgoConfig":
+        if self.group_size < 2:
+            raise ValueError(
+                f"algo.group_size must be >= 2 for GRPO's group baseline (got {self.group_size}); "
+                "set algo.group_size=8"
+            )
+        batch = self.group_size * self.prompts_per_step
+        if batch % self.num_mini_batches:
+            raise ValueError(
+                f"algo.num_mini_batches={self.num_mini_batches} does not divide the batch of "
+                f"{batch} sequences (prompts_per_step x group_size); pick a divisor"
+            )
+        return self
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate (sweep it on dev).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps.")
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(60, ge=0, description="RL steps.")
+    learner: str = Field("torch", description="Registered learner backend name.")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    log_every: int = Field(1, ge=1, description="Metric logging period in steps.")
+    metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
+    deterministic: bool = Field(False, description="Deterministic torch algorithms.")
+
+
+class EvalConfig(_Strict):
+    split: Literal["dev", "hidden"] = Field("hidden", description="Split for `rlctl eval`.")
+    num_prompts: int = Field(0, ge=0, description="0 = the whole split.")
+    max_tokens: int = Field(12, ge=1, description="Greedy decoding budget.")
+    bootstrap_samples: int = Field(2000, ge=100, description="Paired bootstrap resamples.")
+    at_end: bool = Field(True, description="Evaluate after `rlctl train` finishes.")
+
+
+class RunConfig(_Strict):
+    """The whole resolved config of a run. Its JSON is hashed into ``config_hash``."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -1,0 +1,55 @@
+"""The learner's input: trajectories packed into padded tensors.
+
+What this is: a frozen dataclass of tensors plus the per-row bookkeeping a
+learner needs. Built by rlctl.engine.batching from Trajectory objects.
+
+What this is not: a data loader. Tensors are typed Any so that importing the
+contracts never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlctl.contracts.types import SamplingConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainBatch:
+    """N sequences (prompt + response), right-padded to length T.
+
+    Token-level tensors are aligned so that position t holds token t; the
+    logprob of token t is predicted from position t-1. ``action_mask`` is 1 on
+    response tokens that are trained on (never on prompt or padding).
+    """
+
+    input_ids: Any  # [N, T] long
+    attention_mask: Any  # [N, T] long, 1 on real tokens
+    action_mask: Any  # [N, T] float, 1 on trained response tokens
+    behavior_logprobs: Any  # [N, T] float32, log mu, 0 outside action_mask
+    advantages: Any  # [N, T] float32, per-token advantage (GRPO: the sequence's, broadcast)
+    sampling: SamplingConfig
+    trajectory_ids: tuple[str, ...]
+    policy_versions: tuple[int, ...]
+    ref_logprobs: Any | None = None  # [N, T] when the KL reference is used
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: Any) -> "TrainBatch":
+        """Sub-batch of the given row indices (a list or a long tensor)."""
+        idx = [int(i) for i in rows]
+        take = lambda t: None if t is None else t[idx]  # noqa: E731
+        return TrainBatch(
+            input_ids=take(self.input_ids),
+            attention_mask=take(self.attention_mask),
+            action_mask=take(self.action_mask),
+            behavior_logprobs=take(self.behavior_logprobs),
+            advantages=take(self.advantages),
+            sampling=self.sampling,
+            trajectory_ids=tuple(self.trajectory_ids[i] for i in idx),
+            policy_versions=tuple(self.policy_versions[i] for i in idx),
+            ref_logprobs=take(self.ref_logprobs),
+        )

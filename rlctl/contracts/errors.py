@@ -1,0 +1,68 @@
+"""The rlctl error hierarchy.
+
+What this is: one exception type per area, each carrying a message (what
+failed and why) and a hint (the next step). The CLI prints known errors as one
+line plus the hint and exits 1; see rlctl/cli/_errors.py.
+
+What this is not: a place for handling errors. Library code raises these;
+only the CLI formats them.
+"""
+
+from __future__ import annotations
+
+
+class RlctlError(Exception):
+    """Base of every error rlctl reports to users without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+class ConfigError(RlctlError):
+    """The config file or an override is malformed, unknown or invalid."""
+
+
+class DataError(RlctlError):
+    """A dataset row or task source is unusable."""
+
+
+class ModelError(RlctlError):
+    """A model or tokenizer directory is missing or not loadable."""
+
+
+class PluginError(RlctlError):
+    """A plugin is missing, duplicated, or does not satisfy its protocol."""
+
+
+class RegistryError(RlctlError):
+    """The run registry cannot be opened, migrated, or does not have the record."""
+
+
+class CheckpointError(RlctlError):
+    """A checkpoint is missing, corrupt, or incompatible."""
+
+
+class RoleError(RlctlError):
+    """A role (rollout, reward, learner) failed while the loop was running."""
+
+
+class RunbookError(RlctlError):
+    """A runbook is malformed or its check failed."""
+
+
+__all__ = [
+    "RlctlError",
+    "ConfigError",
+    "DataError",
+    "ModelError",
+    "PluginError",
+    "RegistryError",
+    "CheckpointError",
+    "RoleError",
+    "RunbookError",
+]

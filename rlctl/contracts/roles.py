@@ -1,0 +1,103 @@
+"""Role interfaces: what the loop may call on each backend.
+
+What this is: typing.Protocols for the roles of SPEC/DESIGN (task source,
+rollout backend, reward function, learner backend, metric sink). Backends are
+plain classes in plugins/ that satisfy these by shape; rlctl.hooks checks the
+shape when a plugin registers.
+
+What this is not: an implementation or a base class to inherit from.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+
+from rlctl.contracts.types import (
+    RewardResult,
+    RolloutRequest,
+    TaskData,
+    Trajectory,
+    WeightUpdate,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlctl.contracts.batch import TrainBatch
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """Loads the prompts of a task as three frozen splits."""
+
+    def load(self) -> TaskData:
+        """Return every split. Raise DataError naming the bad row on bad data."""
+        ...
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generates trajectories from the current policy weights."""
+
+    policy_version: int
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        """Return ``group_size`` trajectories per request, grouped in request order."""
+        ...
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Apply a whole weight version; serve it only once every tensor is applied."""
+        ...
+
+    def health(self) -> Mapping[str, Any]:
+        """Report liveness and the policy version being served."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Scores one trajectory against its prompt's reference answer."""
+
+    name: str
+    version: str
+
+    def score(self, trajectory: Trajectory, reference: str) -> RewardResult:
+        """Return components, total and grader version. Never turn an error into 0."""
+        ...
+
+
+@runtime_checkable
+class LearnerBackend(Protocol):
+    """Owns the trainable policy, its optimizer and the frozen reference."""
+
+    policy_version: int
+
+    def logprobs(self, batch: "TrainBatch") -> Any:
+        """Per-token log pi_theta of the batch's tokens under its sampling config, [N, T]."""
+        ...
+
+    def train_step(self, batch: "TrainBatch") -> Mapping[str, float]:
+        """Run the configured PPO epochs / mini-batches on one batch; return metrics."""
+        ...
+
+    def export_weights(self) -> WeightUpdate:
+        """The current policy weights, tagged with ``policy_version``."""
+        ...
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    """Receives each step's metrics (a registry table, a JSONL file, a tracker)."""
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+ROLE_PROTOCOLS: dict[str, type] = {
+    "task_source": TaskSource,
+    "rollout_backend": RolloutBackend,
+    "reward_function": RewardFunction,
+    "learner_backend": LearnerBackend,
+    "metric_sink": MetricSink,
+}

@@ -1,0 +1,89 @@
+"""Every hook rlctl calls on plugins, grouped by phase.
+
+What this is: pluggy hook specifications. Component hooks use a register
+callback: the plugin calls ``register(name, factory, options=Model)`` once per
+component. Observer hooks run on the driver only and receive frozen records.
+
+What this is not: the plugin manager (rlctl.hooks.manager) or any plugin.
+
+Specs only grow: adding an argument is fine (pluggy lets implementations take
+a subset); renaming or removing one is a breaking change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("rlctl")
+hookimpl = pluggy.HookimplMarker("rlctl")
+
+Register = Callable[..., None]
+
+
+# -- components (called once, when the plugin manager is built) -------------
+
+
+@hookspec
+def register_task_sources(register: Register) -> None:
+    """Register task sources: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options, seed)`` returns a TaskSource. Called once at startup.
+    """
+
+
+@hookspec
+def register_rollout_backends(register: Register) -> None:
+    """Register rollout backends: ``register(name, factory, options=Model|None)``.
+
+    ``factory(ctx: RolloutContext)`` returns a RolloutBackend; ``ctx`` carries
+    the model directory, tokenizer, seed and validated options.
+    """
+
+
+@hookspec
+def register_learner_backends(register: Register) -> None:
+    """Register learner backends: ``register(name, factory, options=Model|None)``.
+
+    ``factory(ctx: LearnerContext)`` returns a LearnerBackend.
+    """
+
+
+@hookspec
+def register_reward_functions(register: Register) -> None:
+    """Register reward functions: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options)`` returns a RewardFunction.
+    """
+
+
+@hookspec
+def register_metric_sinks(register: Register) -> None:
+    """Register metric sinks: ``register(name, factory, options=Model|None)``.
+
+    ``factory(run_dir, run_id)`` returns a MetricSink.
+    """
+
+
+@hookspec
+def register_commands(app: Any) -> None:
+    """Add CLI commands to the root ``typer.Typer`` (use ``app.command`` / ``app.add_typer``)."""
+
+
+# -- observers (driver only, must not mutate what they receive) -------------
+
+
+@hookspec
+def on_run_start(run_id: str, config: Mapping[str, Any]) -> None:
+    """A run row exists and the loop is about to start."""
+
+
+@hookspec
+def on_step_end(run_id: str, step: int, metrics: Mapping[str, float]) -> None:
+    """One RL step finished; ``metrics`` are the step's logged values."""
+
+
+@hookspec
+def on_run_end(run_id: str, status: str) -> None:
+    """The run finished with ``status`` (succeeded / failed / interrupted)."""
