@@ -1,1 +1,25 @@
-"""stub"""
+"""Built-in reward functions: "math", "format" and "length".
+
+What this is: the entry point ``rewards = "rlctl_rewards.plugin"``; it registers
+each reward with its options model, exactly as a third-party plugin would.
+
+What this is not: MixedReward (rlctl.engine.reward_mix), which the engine composes
+from the configured components and is not registered here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlctl import hookimpl
+from rlctl_rewards.format import FormatOptions, FormatReward
+from rlctl_rewards.length import LengthOptions, LengthPenalty
+from rlctl_rewards.math import MathOptions, MathReward
+
+
+@hookimpl
+def register_reward_functions(register: Callable[..., None]) -> None:
+    """Register "math", "format" and "length"; each factory is called as ``factory(options=...)``."""
+    register("math", MathReward, options=MathOptions)
+    register("format", FormatReward, options=FormatOptions)
+    register("length", LengthPenalty, options=LengthOptions)

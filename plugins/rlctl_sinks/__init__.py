@@ -1,1 +1,1 @@
-"""rlctl_sinks plugin package."""
+"""Built-in metric sinks: ``jsonl`` (metrics.jsonl in the run dir)."""

@@ -1,1 +1,1 @@
-"""rlctl_tasks plugin package."""
+"""Built-in task sources: the synthetic ``arith`` task and user ``jsonl`` files."""

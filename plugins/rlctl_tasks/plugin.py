@@ -1,1 +1,14 @@
-"""stub"""
+"""Registers the built-in task sources through the ``rlctl`` entry-point group."""
+
+from __future__ import annotations
+
+from rlctl import hookimpl
+
+
+@hookimpl
+def register_task_sources(register) -> None:
+    from rlctl_tasks.arith import ArithOptions, ArithTask
+    from rlctl_tasks.jsonl import JsonlOptions, JsonlTask
+
+    register("arith", lambda options, seed=0: ArithTask(options or ArithOptions(), seed), options=ArithOptions)
+    register("jsonl", lambda options, seed=0: JsonlTask(options, seed), options=JsonlOptions)

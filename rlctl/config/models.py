@@ -157,6 +157,7 @@ class OptimConfig(_Strict):
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps.")
     learner: str = Field("torch", description="Registered learner backend name.")
+    learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps.")
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")

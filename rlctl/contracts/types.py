@@ -283,3 +283,29 @@ class EvalRecord:
     ci_high: float
     created_at: float
     details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(**_FROZEN)
+class RolloutContext:
+    """What a rollout backend factory receives besides its validated options."""
+
+    model_dir: str
+    tokenizer_hash: str
+    seed: int
+    policy_version: int = 0
+
+
+@dataclass(**_FROZEN)
+class LearnerContext:
+    """What a learner backend factory receives besides its validated options.
+
+    ``algo`` and ``optim`` are the resolved rlctl.config models (typed Any here
+    so the contracts import nothing from rlctl).
+    """
+
+    model_dir: str
+    algo: Any
+    optim: Any
+    seed: int
+    max_response_tokens: int
+    deterministic: bool = False

@@ -1,0 +1,122 @@
+"""The embedded default task: synthetic integer arithmetic, deterministic from a seed.
+
+What this is: a TaskSource that draws unique expressions such as ``57+38-12=``
+with integer answers and splits them into train / dev / hidden. The hidden
+split is disjoint from train and dev by construction (one pool of unique
+expressions is partitioned). The dataset version is a hash of every prompt,
+answer and split plus the options that produced them.
+
+What this is not: a general math dataset. Real data comes through the
+``jsonl`` source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlctl import PromptRecord, Split, TaskData
+
+
+class ArithOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_terms: int = Field(2, ge=2, le=4, description="Operands per expression.")
+    max_operand: int = Field(99, ge=1, description="Operands are drawn from 0..max_operand.")
+    ops: str = Field("+-", min_length=1, description="Operators to draw from; any of '+-*'.")
+    num_train: int = Field(4000, ge=1)
+    num_dev: int = Field(300, ge=1)
+    num_hidden: int = Field(500, ge=1)
+    seed: int = Field(1234, description="Seed of the dataset itself (not of the run).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ArithOptions":
+        bad = set(self.ops) - set("+-*")
+        if bad:
+            raise ValueError(f"task.options.ops may only contain '+', '-', '*' (got {''.join(sorted(bad))!r})")
+        space = (self.max_operand + 1) ** self.num_terms * len(self.ops) ** (self.num_terms - 1)
+        need = self.num_train + self.num_dev + self.num_hidden
+        if need > space // 2:
+            raise ValueError(
+                f"arith can make at most about {space // 2} unique problems with these options but "
+                f"{need} were asked for; raise task.options.max_operand or lower the split sizes"
+            )
+        return self
+
+
+class ArithTask:
+    """TaskSource for the synthetic arithmetic task."""
+
+    def __init__(self, options: ArithOptions | None = None, seed: int = 0) -> None:
+        self.options = options or ArithOptions()
+
+    def load(self) -> TaskData:
+        opts = self.options
+        rng = random.Random(opts.seed)
+        seen: set[str] = set()
+        pool: list[tuple[str, str]] = []
+        need = opts.num_train + opts.num_dev + opts.num_hidden
+        while len(pool) < need:
+            expr = _draw(rng, opts)
+            if expr in seen:
+                continue
+            seen.add(expr)
+            pool.append((expr, str(_evaluate(expr))))
+        cut1, cut2 = opts.num_hidden, opts.num_hidden + opts.num_dev
+        splits = {Split.HIDDEN: pool[:cut1], Split.DEV: pool[cut1:cut2], Split.TRAIN: pool[cut2:]}
+        records = {
+            split: tuple(
+                PromptRecord(id=f"arith-{split.value}-{i}", text=f"{expr}=", answer=ans, split=split)
+                for i, (expr, ans) in enumerate(rows)
+            )
+            for split, rows in splits.items()
+        }
+        version = dataset_version("arith", opts.model_dump(), records)
+        return TaskData(
+            name="arith", version=version,
+            train=records[Split.TRAIN], dev=records[Split.DEV], hidden=records[Split.HIDDEN],
+        )
+
+
+def _draw(rng: random.Random, opts: ArithOptions) -> str:
+    parts = [str(rng.randint(0, opts.max_operand))]
+    for _ in range(opts.num_terms - 1):
+        parts.append(rng.choice(opts.ops))
+        parts.append(str(rng.randint(0, opts.max_operand)))
+    return "".join(parts)
+
+
+def _evaluate(expr: str) -> int:
+    """Integer value of an expression over + - * with usual precedence (no eval)."""
+    terms: list[int] = []
+    sign, num, product = 1, "", None
+    tokens = []
+    for ch in expr:
+        if ch.isdigit():
+            num += ch
+        else:
+            tokens.extend([int(num), ch])
+            num = ""
+    tokens.append(int(num))
+    product = tokens[0]
+    for op, value in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            product *= value
+        else:
+            terms.append(sign * product)
+            sign, product = (1 if op == "+" else -1), value
+    terms.append(sign * product)
+    return sum(terms)
+
+
+def dataset_version(name: str, options: dict, records: dict[Split, tuple[PromptRecord, ...]]) -> str:
+    """Content hash of a task: every record of every split plus the source's options."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"name": name, "options": options}, sort_keys=True).encode())
+    for split in (Split.TRAIN, Split.DEV, Split.HIDDEN):
+        for rec in records[split]:
+            h.update(f"{split.value}\x1f{rec.id}\x1f{rec.text}\x1f{rec.answer}\x1e".encode())
+    return h.hexdigest()[:16]

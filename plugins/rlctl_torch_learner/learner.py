@@ -1,0 +1,158 @@
+"""The plain-torch learner: one process, AdamW, PPO-clip with GRPO advantages.
+
+What this is: the LearnerBackend for CPU and single-device runs. It owns the
+trainable policy, an optional frozen reference (when the KL coefficient is
+> 0), the optimizer and LR schedule. One ``train_step`` = the configured PPO
+epochs x mini-batches over one rollout batch, with gradient accumulation over
+micro-batches, gradient clipping, and a skipped update on NaN/Inf gradients.
+
+What this is not: sharded training (FSDP / DeepSpeed learners are separate
+plugins) or advantage estimation (the engine passes advantages in the batch).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
+
+from rlctl import WeightUpdate
+from rlctl.algo.losses import entropy_from_logits, kl_penalty_loss, ppo_clip_loss
+from rlctl.algo.sampling import process_logits, token_logprobs
+from rlctl.contracts.batch import TrainBatch
+from rlctl.contracts.types import LearnerContext
+from rlctl.models.fingerprint import fingerprint
+from rlctl.models.load import load_policy
+from rlctl_torch_learner.options import TorchLearnerOptions
+
+
+class TorchLearner:
+    """LearnerBackend over an in-process torch model."""
+
+    def __init__(self, ctx: LearnerContext, options: TorchLearnerOptions | None = None) -> None:
+        self.options = options or TorchLearnerOptions()
+        self.algo, self.optim_cfg = ctx.algo, ctx.optim
+        self.norm_len = ctx.max_response_tokens
+        self.model, _ = load_policy(ctx.model_dir, dtype=self.options.dtype)
+        if self.options.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.reference = None
+        if self.algo.kl.coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        o = self.optim_cfg
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        warmup = max(1, o.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.generator = torch.Generator().manual_seed(ctx.seed)
+        self.policy_version = 0
+        self.nan_skips = 0
+
+    # -- forward ---------------------------------------------------------------
+
+    def _logprobs(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
+        ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1]  # [n, T-1, V]
+        s = batch.sampling
+        logp = token_logprobs(logits, ids[:, 1:], s.temperature, s.top_k, s.top_p)  # [n, T-1]
+        logp = torch.nn.functional.pad(logp, (1, 0))  # [n, T]: token t is predicted at t-1
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                shaped = logits if s.greedy else process_logits(logits.detach(), s.temperature, s.top_k, s.top_p)
+                entropy = torch.nn.functional.pad(entropy_from_logits(shaped), (1, 0))  # [n, T]
+        return logp, entropy
+
+    def _micro_batches(self, batch: TrainBatch):
+        size = self.algo.micro_batch_size
+        for start in range(0, batch.num_sequences, size):
+            yield batch.select(range(start, min(start + size, batch.num_sequences)))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        return torch.cat([self._logprobs(self.reference, mb)[0] for mb in self._micro_batches(batch)])
+
+    # -- update ----------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        algo = self.algo
+        kl_in_loss = self.reference is not None and algo.kl.placement == "loss"
+        if self.reference is not None and batch.ref_logprobs is None:
+            batch = _with_ref(batch, self.ref_logprobs(batch))
+        stats: dict[str, list[float]] = {}
+        size = batch.num_sequences // algo.num_mini_batches
+        for epoch in range(algo.ppo_epochs):
+            order = torch.randperm(batch.num_sequences, generator=self.generator)
+            for m in range(algo.num_mini_batches):
+                mini = batch.select(order[m * size:(m + 1) * size])
+                first = epoch == 0 and m == 0  # weights still equal the behaviour policy's
+                self._mini_batch_step(mini, kl_in_loss, first, stats)
+        self.policy_version += 1
+        out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
+        for key in ("ratio_max", "logprob_mismatch_max"):
+            if stats.get(key):
+                out[key] = max(stats[key])
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["nan_inf_skipped_steps"] = float(self.nan_skips)
+        return out
+
+    def _mini_batch_step(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> None:
+        algo = self.algo
+        token_mode = algo.loss_agg == "token-mean"
+        total_tokens = float(mini.action_mask.sum())
+        total_seqs = float((mini.action_mask.sum(-1) > 0).sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(mini):
+            logp, entropy = self._logprobs(self.model, micro, with_entropy=True)
+            mask = micro.action_mask
+            loss, info = ppo_clip_loss(logp, micro.behavior_logprobs, micro.advantages, mask, algo.clip_eps,
+                                       algo.clip_eps_high or algo.clip_eps, algo.loss_agg, norm_len=self.norm_len)
+            if micro.ref_logprobs is not None:
+                kl_loss, kl_value = kl_penalty_loss(logp, micro.ref_logprobs, mask, algo.kl.estimator,
+                                                    algo.loss_agg, norm_len=self.norm_len)
+                if kl_in_loss:
+                    loss = loss + algo.kl.coef * kl_loss
+                info["kl_ref"] = kl_value
+            n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+            share = (n_tok / max(total_tokens, 1.0)) if token_mode else (n_seq / max(total_seqs, 1.0))
+            (loss * share).backward()
+            for key in ("loss", "clip_fraction", "ratio_mean", "ratio_max", "approx_kl_behavior", "kl_ref"):
+                if key in info:
+                    stats.setdefault(key, []).append(float(info[key]))
+            on = mask > 0
+            if on.any():
+                stats.setdefault("entropy", []).append(float(entropy[on].mean()))
+                if first:
+                    delta = (logp.detach() - micro.behavior_logprobs)[on].abs()
+                    stats.setdefault("logprob_mismatch_mean", []).append(float(delta.mean()))
+                    stats.setdefault("logprob_mismatch_max", []).append(float(delta.max()))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip))
+        stats.setdefault("grad_norm", []).append(grad_norm)
+        if not math.isfinite(grad_norm):
+            self.nan_skips += 1  # never apply a poisoned update (RELIABILITY B.6)
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def export_weights(self) -> WeightUpdate:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
+
+    def save_pretrained(self, directory: str) -> None:
+        self.model.save_pretrained(directory)
+
+
+def _with_ref(batch: TrainBatch, ref: torch.Tensor | None) -> TrainBatch:
+    return replace(batch, ref_logprobs=ref)

@@ -1,0 +1,45 @@
+"""Rendering helpers shared by commands: JSON for machines, rich tables for people."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Iterable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if hasattr(obj, "value") and obj.__class__.__module__.startswith("rlctl"):
+        return obj.value
+    return obj
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True, default=str) + "\n")
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*[fmt(v) for v in row])
+    return t
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

@@ -1,0 +1,63 @@
+"""The ``rlctl`` command: composes the command groups; no logic lives here.
+
+``rlctl --help`` must stay fast: nothing here imports torch (a test checks).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import typer
+
+from rlctl.cli import eval as eval_cli
+from rlctl.cli import plugins as plugins_cli
+from rlctl.cli import registry as registry_cli
+from rlctl.cli import runs as runs_cli
+from rlctl.cli import train as train_cli
+from rlctl.cli._errors import report
+
+
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (same as RLCTL_DEBUG=1).")) -> None:
+    """rlctl: reliable, versioned LLM RL post-training (GRPO, PPO)."""
+    if debug:
+        os.environ["RLCTL_DEBUG"] = "1"
+
+
+def build_app(with_plugins: bool = True) -> typer.Typer:
+    app = typer.Typer(name="rlctl", no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                      callback=_root)
+    app.command("train")(train_cli.train)
+    app.command("sft")(train_cli.sft)
+    app.command("eval")(eval_cli.eval_cmd)
+    app.add_typer(runs_cli.app, name="runs")
+    app.add_typer(plugins_cli.app, name="plugins")
+    app.add_typer(registry_cli.app, name="registry")
+    if with_plugins:
+        from rlctl.hooks.manager import load_plugins
+
+        load_plugins().pm.hook.register_commands(app=app)
+    return app
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console-script entry point: run the app, turn known errors into one line + exit code."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        build_app()(args=list(argv) if argv is not None else None, prog_name="rlctl", standalone_mode=True)
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 1
+    except BaseException as err:  # noqa: BLE001 - report() re-raises anything it does not know
+        return report(err)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+def console_main() -> None:
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Data order and batch assembly: the prompt cursor and Trajectory -> TrainBatch.
+
+What this is: ``PromptCursor`` (seeded epoch shuffling with a resumable
+position: the data cursor a checkpoint stores) and ``build_batch`` (pads
+prompt+response sequences on the right and aligns behaviour log-probs and
+advantages with the tokens they belong to).
+
+What this is not: rollout or scoring.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlctl.contracts.batch import TrainBatch
+from rlctl.contracts.types import PromptRecord, SamplingConfig, Trajectory
+
+
+@dataclass
+class CursorState:
+    epoch: int = 0
+    position: int = 0
+
+
+class PromptCursor:
+    """Yields train prompts in a seeded order, epoch after epoch, and can resume exactly."""
+
+    def __init__(self, records: Sequence[PromptRecord], seed: int, state: CursorState | None = None) -> None:
+        if not records:
+            raise ValueError("the train split is empty; a task needs at least one train prompt")
+        self.records = tuple(records)
+        self.seed = seed
+        self.state = state or CursorState()
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next(self, count: int) -> list[PromptRecord]:
+        out: list[PromptRecord] = []
+        while len(out) < count:
+            order = self._order(self.state.epoch)
+            take = min(count - len(out), len(order) - self.state.position)
+            out.extend(self.records[i] for i in order[self.state.position:self.state.position + take])
+            self.state.position += take
+            if self.state.position == len(order):
+                self.state = CursorState(epoch=self.state.epoch + 1, position=0)
+        return out
+
+
+def build_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float], pad_id: int,
+                sampling: SamplingConfig) -> TrainBatch:
+    """Right-padded [N, T] tensors; the response of row i starts right after its prompt."""
+    import torch
+
+    n = len(trajectories)
+    width = max(len(t.prompt_tokens) + len(t.response_tokens) for t in trajectories)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    act = torch.zeros((n, width), dtype=torch.float32)
+    behav = torch.zeros((n, width), dtype=torch.float32)
+    adv = torch.zeros((n, width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_tokens), len(t.response_tokens)
+        ids[i, : p + r] = torch.tensor(t.prompt_tokens + t.response_tokens, dtype=torch.long)
+        attn[i, : p + r] = 1
+        act[i, p: p + r] = torch.tensor(t.action_mask, dtype=torch.float32)
+        behav[i, p: p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
+        adv[i, p: p + r] = float(advantages[i])
+    return TrainBatch(
+        input_ids=ids, attention_mask=attn, action_mask=act, behavior_logprobs=behav, advantages=adv,
+        sampling=sampling, trajectory_ids=tuple(t.id for t in trajectories),
+        policy_versions=tuple(t.policy_version for t in trajectories),
+    )
+
+
+def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[Any, Any]:
+    """[B, G] rewards and validity masks; the rollout keeps a prompt's G samples adjacent."""
+    import torch
+
+    if len(trajectories) % group_size:
+        raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
+    b = len(trajectories) // group_size
+    for g in range(b):
+        ids = {t.prompt_id for t in trajectories[g * group_size:(g + 1) * group_size]}
+        if len(ids) != 1:
+            raise ValueError(f"group {g} mixes prompts {sorted(ids)}: the G samples of a prompt must stay together")
+    valid = torch.tensor([t.reward_error is None for t in trajectories]).view(b, group_size)
+    rewards = torch.tensor([t.reward if t.reward is not None else float("nan") for t in trajectories],
+                           dtype=torch.float32).view(b, group_size)
+    return rewards, valid

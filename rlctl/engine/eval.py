@@ -1,0 +1,87 @@
+"""Evaluation: greedy pass@1 on a frozen split and a paired bootstrap of the difference.
+
+What this is: decode every prompt of the split once with fixed greedy decoding
+through the configured rollout backend, grade it with the run's correctness
+reward (the ``math`` component, or the first component), and compare two
+policies on the same prompts with a paired bootstrap 95% CI (SPEC R-EVAL).
+
+What this is not: registry bookkeeping (rlctl.ops.evaluate) or sampling-based
+pass@k.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from rlctl.config.models import RunConfig
+from rlctl.contracts.types import PromptRecord, RolloutContext, RolloutRequest, SamplingConfig, TaskData
+from rlctl.hooks.manager import Plugins
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyScores:
+    name: str
+    correct: tuple[int, ...]  # 1/0 per prompt, in split order
+    responses: tuple[str, ...]
+
+    @property
+    def pass_at_1(self) -> float:
+        return sum(self.correct) / len(self.correct) if self.correct else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    diff: float
+    ci_low: float
+    ci_high: float
+    num_prompts: int
+
+
+def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugins, task: TaskData,
+                 records: Sequence[PromptRecord]) -> PolicyScores:
+    """Greedy-decode ``records`` with the policy in ``policy_dir`` and grade each answer."""
+    from transformers import AutoTokenizer
+
+    from rlctl.engine.session import build_reward
+    from rlctl.models.tokenizer import tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
+                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
+                                               seed=config.run.seed))
+    sampling = SamplingConfig(temperature=0.0, max_tokens=config.eval.max_tokens)
+    requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=1,
+                               sampling=sampling, dataset_version=task.version) for r in records]
+    try:
+        trajectories = backend.generate(requests)
+    finally:
+        backend.close()
+    grader = _correctness_grader(config, plugins)
+    correct = []
+    for traj, rec in zip(trajectories, records):
+        result = grader.score(traj, rec.answer)
+        correct.append(int(result.ok and result.total >= 1.0))
+    return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
+
+
+def _correctness_grader(config: RunConfig, plugins: Plugins):
+    comps = config.reward.components
+    chosen = next((c for c in comps if c.name == "math"), comps[0])
+    return plugins.build("reward_function", chosen.name, chosen.options, "reward.components")
+
+
+def paired_bootstrap(baseline: Sequence[int], candidate: Sequence[int], samples: int = 2000,
+                     seed: int = 0) -> Comparison:
+    """95% percentile CI of mean(candidate - baseline), resampling prompts with replacement."""
+    if len(baseline) != len(candidate) or not baseline:
+        raise ValueError("paired bootstrap needs two equally long, non-empty score lists")
+    n = len(baseline)
+    diffs = [c - b for b, c in zip(baseline, candidate)]
+    rng = random.Random(seed)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(samples))
+    low = means[int(0.025 * samples)]
+    high = means[min(samples - 1, int(0.975 * samples))]
+    return Comparison(diff=sum(diffs) / n, ci_low=low, ci_high=high, num_prompts=n)

@@ -1,0 +1,69 @@
+"""Per-step metrics under the names of SPEC R-MET (the names are an interface).
+
+What this is: a pure function from one step's scored trajectories, learner
+statistics and stage times to a flat ``{name: value}`` dict.
+
+What this is not: storage (metric sinks) or display (the CLI).
+
+Names: reward_mean, reward_std, reward/<component>, kl_ref, entropy,
+response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
+nan_inf_skipped_steps, reward_error_count, T_r, T_v, T_l, T_s, step_time_s,
+generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
+verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
+logprob_mismatch_mean/max, policy_version.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+from rlctl.contracts.types import TerminalReason, Trajectory
+
+
+def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
+                 advantages: Any, verify_latencies: Sequence[float], learner_version: int,
+                 times: Mapping[str, float], max_tokens: int) -> dict[str, float]:
+    ok = [t for t in scored if t.reward_error is None]
+    rewards = [float(t.reward) for t in ok if t.reward is not None]
+    lengths = [t.num_response_tokens for t in scored]
+    generated = sum(lengths)
+    informative = (advantages.flatten() != 0).tolist()
+    learned = sum(n for n, keep in zip(lengths, informative) if keep)
+    useful = sum(1 for t, keep in zip(scored, informative) if keep and t.reward_error is None)
+    step_time = sum(times.values())
+    out: dict[str, float] = {
+        "reward_mean": _mean(rewards),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_length_mean": _mean(lengths),
+        "response_length_max": float(max(lengths, default=0)),
+        "truncated_frac": _mean([t.terminal_reason is TerminalReason.LENGTH for t in scored]),
+        "reward_error_count": float(len(scored) - len(ok)),
+        "generated_tokens_per_s": generated / times["T_r"] if times["T_r"] > 0 else 0.0,
+        "learned_tokens_per_s": learned / times["T_l"] if times["T_l"] > 0 else 0.0,
+        "esr": useful / len(scored) if scored else 0.0,
+        "step_time_s": step_time,
+        "policy_version": float(learner_version),
+        "staleness_mean": _mean([learner_version - 1 - t.policy_version for t in scored]),
+        "staleness_max": float(max((learner_version - 1 - t.policy_version for t in scored), default=0)),
+    }
+    out["effective_tokens_per_s"] = out["generated_tokens_per_s"] * out["esr"]
+    for name in sorted({k for t in ok for k in t.reward_components}):
+        out[f"reward/{name}"] = _mean([t.reward_components.get(name, 0.0) for t in ok])
+    for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
+        out[f"verifier_latency_{label}_s"] = _quantile(verify_latencies, q)
+    out.update({k: float(v) for k, v in times.items()})
+    out.update({k: float(v) for k, v in adv_stats.items()})
+    out.update({k: float(v) for k, v in learner_stats.items()})
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])

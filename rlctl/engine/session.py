@@ -1,0 +1,97 @@
+"""Build the roles of a run from its resolved config: task, policy, rollout, learner, reward.
+
+What this is: the one place config names become objects (through the plugin
+registry, with each plugin's options validated). It fails before any training
+starts if a name, an option, the data or the model is bad.
+
+What this is not: the loop (rlctl.engine.loop) or run bookkeeping (rlctl.ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rlctl.config.models import RunConfig
+from rlctl.contracts.errors import DataError
+from rlctl.contracts.roles import LearnerBackend, RolloutBackend
+from rlctl.contracts.types import LearnerContext, RolloutContext, SamplingConfig, TaskData
+from rlctl.engine.batching import PromptCursor
+from rlctl.engine.reward_mix import MixedReward
+from rlctl.hooks.manager import Plugins
+
+
+@dataclass
+class Session:
+    config: RunConfig
+    task: TaskData
+    policy_dir: Path
+    tokenizer: Any
+    tokenizer_hash: str
+    rollout: RolloutBackend
+    learner: LearnerBackend
+    reward: MixedReward
+    cursor: PromptCursor
+    sampling: SamplingConfig
+
+
+def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
+    source = plugins.build("task_source", config.task.source, config.task.options, "task.options",
+                           seed=config.run.seed)
+    task = source.load()
+    for split in ("train", "dev", "hidden"):
+        if not task.split(split):
+            raise DataError(f"task {task.name!r} has an empty {split} split", "every split needs prompts")
+    return task
+
+
+def build_reward(config: RunConfig, plugins: Plugins) -> MixedReward:
+    parts = []
+    for i, comp in enumerate(config.reward.components):
+        fn = plugins.build("reward_function", comp.name, comp.options, f"reward.components.{i}.options")
+        parts.append((comp.name, comp.weight, fn))
+    return MixedReward(parts)
+
+
+def resolve_policy_dir(config: RunConfig, task: TaskData, cache_root: Path,
+                       progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """The starting policy: the warm-started built-in model, or the user's checked directory."""
+    from rlctl.models.load import check_model_dir
+    from rlctl.models.warm_start import builtin_policy_dir
+
+    if config.model.builtin:
+        return builtin_policy_dir(config.model, task, config.run.seed, cache_root, progress)
+    return check_model_dir(config.model.path)
+
+
+def sampling_config(config: RunConfig) -> SamplingConfig:
+    r = config.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
+
+
+def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
+                  progress: Callable[[int, int, float], None] | None = None) -> Session:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlctl.models.tokenizer import tokenizer_hash
+
+    if config.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(config.run.seed)
+    reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
+    task = load_task(config, plugins)
+    policy_dir = resolve_policy_dir(config, task, cache_root, progress)
+    tok_hash = tokenizer_hash(policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    rollout = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
+                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tok_hash, seed=config.run.seed))
+    learner = plugins.build("learner_backend", config.train.learner, config.train.learner_options,
+                            "train.learner_options",
+                            ctx=LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim,
+                                               seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
+                                               deterministic=config.train.deterministic))
+    return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
+                   rollout=rollout, learner=learner, reward=reward,
+                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config))
