@@ -1,0 +1,1 @@
+"""Registry schema revisions, oldest first by ``down_revision`` chain (loaded by Alembic, not imported)."""

@@ -1,0 +1,63 @@
+"""Test environment: one thread, offline, a private RLCTL_HOME, and a tiny policy built once."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+
+TINY_OVERRIDES = [
+    "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.intermediate_size=64", "model.warm_start.steps=30", "model.warm_start.batch_size=16",
+    "task.options.num_train=200", "task.options.num_dev=40", "task.options.num_hidden=40",
+    "algo.prompts_per_step=4", "algo.group_size=4", "train.steps=3", "eval.num_prompts=20",
+    "rollout.max_tokens=6", "eval.max_tokens=6",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rlctl_home(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("rlctl_home")
+    old = os.environ.get("RLCTL_HOME")
+    os.environ["RLCTL_HOME"] = str(home)
+    os.environ.pop("RLCTL_REGISTRY_URL", None)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:  # pragma: no cover
+        pass
+    yield home
+    if old is None:
+        os.environ.pop("RLCTL_HOME", None)
+    else:
+        os.environ["RLCTL_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from rlctl.config.load import load_config
+
+    return load_config(None, TINY_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def plugins():
+    from rlctl.hooks.manager import load_plugins
+
+    return load_plugins()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
+    """A warm-started tiny model directory (about 1 s to build)."""
+    from rlctl.engine.session import load_task, resolve_policy_dir
+
+    task = load_task(tiny_config, plugins)
+    return resolve_policy_dir(tiny_config, task, _rlctl_home / "cache")
