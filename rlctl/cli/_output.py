@@ -10,7 +10,7 @@ from typing import Any, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(width=160) if not sys.stdout.isatty() else Console()
 err_console = Console(stderr=True)
 
 

@@ -26,8 +26,9 @@ def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[
     if json_out:
         _output.print_json({"runs": runs})
         return
-    rows = [(r.id, r.name, r.status, _when(r.created_at), r.config_hash, r.code_version, r.dataset_version,
-             r.tokenizer_hash, r.seed) for r in runs]
+    short = lambda h: (h or "")[:8]  # noqa: E731 - full hashes are in `runs show` and --json
+    rows = [(r.id, r.name, r.status, _when(r.created_at), short(r.config_hash), r.code_version,
+             short(r.dataset_version), short(r.tokenizer_hash), r.seed) for r in runs]
     cols = ["id", "name", "status", "created", "config", "code", "dataset", "tokenizer", "seed"]
     _output.console.print(_output.table(None, cols, rows))
 

@@ -71,24 +71,25 @@ def train(config: RunConfig, *, registry: Registry, plugins: Plugins, home: Path
         seed=config.run.seed, run_dir=str(run_dir) if run_dir else "",
     )
     directory = run_dir or home / "runs" / run.id
-    if not run_dir:
-        run = registry.update_run(run.id, run_dir=str(directory))
-    _write_run_files(directory, config, run, session.policy_dir)
-    if cb.run_started:
-        cb.run_started(run)
-    sinks = [RegistrySink(registry, run.id)] + [
-        plugins.build("metric_sink", name, {}, f"train.metric_sinks.{i}", run_dir=directory, run_id=run.id)
-        for i, name in enumerate(config.train.metric_sinks)
-    ]
-    plugins.pm.hook.on_run_start(run_id=run.id, config=run.config)
-
-    def on_step(step: int, metrics: Mapping[str, float]) -> None:
-        plugins.pm.hook.on_step_end(run_id=run.id, step=step, metrics=metrics)
-        if cb.step:
-            cb.step(step, metrics)
-
+    sinks: list[Any] = []
     status = "failed"
     try:
+        if not run_dir:
+            run = registry.update_run(run.id, run_dir=str(directory))
+        _write_run_files(directory, config, run, session.policy_dir)
+        if cb.run_started:
+            cb.run_started(run)
+        sinks = [RegistrySink(registry, run.id)] + [
+            plugins.build("metric_sink", name, {}, f"train.metric_sinks.{i}", run_dir=directory, run_id=run.id)
+            for i, name in enumerate(config.train.metric_sinks)
+        ]
+        plugins.pm.hook.on_run_start(run_id=run.id, config=run.config)
+
+        def on_step(step: int, metrics: Mapping[str, float]) -> None:
+            plugins.pm.hook.on_step_end(run_id=run.id, step=step, metrics=metrics)
+            if cb.step:
+                cb.step(step, metrics)
+
         last = run_sync(session, sinks, on_step)
         _save_policy(session, directory / "policy" / "final")
         status = "succeeded"

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -119,6 +119,8 @@ def test_arith_default_options_load() -> None:
 )
 def test_arith_any_valid_options_give_correct_disjoint_splits(num_terms: int, max_operand: int, ops: str,
                                                               sizes: tuple[int, int, int], seed: int) -> None:
+    space = (max_operand + 1) ** num_terms * len(ops) ** (num_terms - 1)
+    assume(sum(sizes) <= space // 2)  # beyond that the options are refused (tested below)
     opts = ArithOptions(num_terms=num_terms, max_operand=max_operand, ops=ops, num_train=sizes[0],
                         num_dev=sizes[1], num_hidden=sizes[2], seed=seed)
     data = ArithTask(opts).load()
