@@ -37,11 +37,11 @@ class JsonlTask:
     def load(self) -> TaskData:
         opts = self.options
         records = {split: self._read(Path(getattr(opts, split.value)), split) for split in Split}
-        train_prompts = {r.text for r in records[Split.TRAIN]}
-        leaked = [r for r in records[Split.HIDDEN] if r.text in train_prompts]
+        seen = {r.text for r in records[Split.TRAIN]} | {r.text for r in records[Split.DEV]}
+        leaked = [r for r in records[Split.HIDDEN] if r.text in seen]
         if leaked:
             raise DataError(
-                f"{len(leaked)} hidden prompt(s) also appear in train (first: {leaked[0].text[:60]!r})",
+                f"{len(leaked)} hidden prompt(s) also appear in train or dev (first: {leaked[0].text[:60]!r})",
                 "remove them from one split: the hidden split must be held out",
             )
         version = dataset_version("jsonl", opts.model_dump(), records)

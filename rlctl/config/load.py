@@ -109,7 +109,7 @@ def _describe(err: ValidationError, raw: Any, source: str, model: type[BaseModel
         return f"{source}: required key {path} is missing"
     got = first.get("input")
     msg = first["msg"].removeprefix("Value error, ")
-    if isinstance(got, (dict, list)):  # a cross-field rule: its message names the keys
+    if first["type"] == "value_error" and isinstance(got, dict):  # a cross-field rule: its message names the keys
         return f"{source}: {msg}"
     return f"{source}: {path}: {msg} (got {got!r})"
 

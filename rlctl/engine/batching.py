@@ -32,7 +32,7 @@ class PromptCursor:
             raise ValueError("the train split is empty; a task needs at least one train prompt")
         self.records = tuple(records)
         self.seed = seed
-        self.state = state or CursorState()
+        self.state = CursorState(state.epoch, state.position) if state else CursorState()  # never alias
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))

@@ -59,7 +59,6 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
             scored=scored, learner_stats=learner_stats, adv_stats=adv_stats, advantages=advantages,
             verify_latencies=verify_latencies, learner_version=s.learner.policy_version,
             times={"T_r": t1 - t0, "T_v": t2 - t1, "T_l": t3 - t2, "T_s": t4 - t3},
-            max_tokens=cfg.rollout.max_tokens,
         )
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             for sink in sinks:

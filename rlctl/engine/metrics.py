@@ -23,7 +23,7 @@ from rlctl.contracts.types import TerminalReason, Trajectory
 
 def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
                  advantages: Any, verify_latencies: Sequence[float], learner_version: int,
-                 times: Mapping[str, float], max_tokens: int) -> dict[str, float]:
+                 times: Mapping[str, float]) -> dict[str, float]:
     ok = [t for t in scored if t.reward_error is None]
     rewards = [float(t.reward) for t in ok if t.reward is not None]
     lengths = [t.num_response_tokens for t in scored]

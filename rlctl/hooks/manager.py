@@ -157,7 +157,11 @@ def load_plugins(extra: Mapping[str, Any] | None = None) -> Plugins:
         _register(pm, plugin, ep.name, infos, dist, ep.dist.version if ep.dist else "?", builtin)
     for name, plugin in (extra or {}).items():
         _register(pm, plugin, name, infos, "<in-process>", "-", False)
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        raise PluginError(f"plugin {pm.get_name(err.plugin)!r} implements a hook rlctl does not have: {err}",
+                          "check the hook names in rlctl/hooks/hookspecs.py (e.g. register_reward_functions)") from err
     if os.environ.get("RLCTL_TRACE_PLUGINS") == "1":
         pm.trace.root.setwriter(lambda msg: sys.stderr.write(msg))
         pm.enable_tracing()
@@ -166,7 +170,11 @@ def load_plugins(extra: Mapping[str, Any] | None = None) -> Plugins:
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str, infos: dict[str, PluginInfo],
               dist: str, version: str, builtin: bool) -> None:
-    pm.register(plugin, name=name)
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as err:
+        raise PluginError(f"plugin {name!r} ({dist}) does not match rlctl's hook specs: {err}",
+                          "fix its hook names/arguments against rlctl/hooks/hookspecs.py") from err
     hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
     infos[name] = PluginInfo(name=name, distribution=dist, version=version, builtin=builtin, hooks=hooks)
 

@@ -147,9 +147,6 @@ def test_wrong_value_names_path_and_value(override: str, path: str, shown: str) 
     assert f"(got {shown})" in message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rlctl/config/load.py _describe (line 112) treats any list/dict input as a cross-field rule and drops "
-    "the path and value: 'algo.group_size=[1]' gives '<defaults>: Input should be a valid integer'"))
 @pytest.mark.parametrize(
     ("override", "path"),
     [("algo.group_size=[1]", "algo.group_size"), ("run.name={a: 1}", "run.name"), ("reward.components=[]", "reward.components")],

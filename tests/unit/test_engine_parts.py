@@ -340,7 +340,6 @@ def _metrics_example() -> dict[str, float]:
         verify_latencies=[0.5, 0.1, 0.4, 0.2, 0.3],
         learner_version=3,
         times={"T_r": 2.0, "T_v": 0.5, "T_l": 1.0, "T_s": 0.5},
-        max_tokens=5,
     )
 
 
@@ -393,7 +392,7 @@ def test_step_metrics_zero_times_and_no_latencies_do_not_divide_by_zero() -> Non
     m = step_metrics(
         scored=[traj("a", 0, reward=1.0), traj("a", 1, reward=1.0)], learner_stats={}, adv_stats={},
         advantages=torch.zeros(1, 2), verify_latencies=[], learner_version=1,
-        times={"T_r": 0.0, "T_v": 0.0, "T_l": 0.0, "T_s": 0.0}, max_tokens=4,
+        times={"T_r": 0.0, "T_v": 0.0, "T_l": 0.0, "T_s": 0.0},
     )
     assert m["generated_tokens_per_s"] == 0.0 and m["learned_tokens_per_s"] == 0.0
     assert m["esr"] == 0.0  # no informative sample: equal rewards give no signal

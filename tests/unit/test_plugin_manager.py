@@ -178,9 +178,6 @@ def test_non_callable_factory_is_refused() -> None:
     assert "'bad'" in info.value.message and "'odd'" in info.value.message and "non-callable" in info.value.message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rlctl/hooks/manager.py load_plugins/_register: a plugin whose hookimpl does not match hookspecs "
-    "(unknown hook name) escapes as pluggy.PluginValidationError, not PluginError, so the CLI prints a traceback"))
 def test_plugin_with_a_misspelled_hook_is_a_plugin_error() -> None:
     module = types.ModuleType("typo_plugin")
 

@@ -316,7 +316,7 @@ def test_jsonl_missing_file(tmp_path: Path) -> None:
 def test_jsonl_hidden_prompt_also_in_train_is_refused(tmp_path: Path) -> None:
     task = jsonl_task(tmp_path, hidden=rows({"prompt": "4+4=", "answer": "8"}, {"prompt": "2+2=", "answer": "4"}))
     message = data_error(task)
-    assert "1 hidden prompt(s) also appear in train" in message and "2+2=" in message
+    assert "1 hidden prompt(s) also appear in train or dev" in message and "2+2=" in message
 
 
 def test_jsonl_options_require_all_three_files(tmp_path: Path) -> None:
