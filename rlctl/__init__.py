@@ -15,6 +15,8 @@ from rlctl.contracts.errors import (
     RoleError,
 )
 from rlctl.contracts.types import (
+    CheckpointManifest,
+    LearnerState,
     PromptRecord,
     RewardResult,
     RolloutRequest,
@@ -32,6 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "hookimpl",
+    "CheckpointManifest",
+    "LearnerState",
     "PromptRecord",
     "RewardResult",
     "RolloutRequest",

@@ -5,6 +5,11 @@ samples of each prompt together in one batch, returns full Trajectory records,
 and applies weight updates all-or-nothing (the new version is served only when
 every tensor is loaded and the fingerprint matches).
 
+Resumable state: ``state()`` / ``load_state()`` carry the sampler's torch
+generator and the call counter (used in trajectory ids), so a resumed run
+draws exactly the samples an uninterrupted one would (rlctl.contracts.roles
+StatefulRollout).
+
 What this is not: a serving engine. For production rollout use the sglang
 plugin; ``rlctl serve rollout`` puts this engine behind the same HTTP API.
 """
@@ -97,6 +102,17 @@ class LocalEngine:
                             "the weights changed in transit; republish")
         self.model.load_state_dict(staged, strict=False)
         self.fingerprint, self.policy_version = got, update.version
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """The weights being served (read only: the base a delta weight update is applied to)."""
+        return self.model.state_dict()
+
+    def state(self) -> Mapping[str, Any]:
+        return {"generator": self._generator.get_state(), "calls": self._calls}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self._generator.set_state(state["generator"])
+        self._calls = int(state["calls"])
 
     def health(self) -> Mapping[str, Any]:
         return {"ok": True, "policy_version": self.policy_version, "fingerprint": self.fingerprint}

@@ -31,6 +31,12 @@ class ArithOptions(BaseModel):
     num_dev: int = Field(300, ge=1)
     num_hidden: int = Field(500, ge=1)
     seed: int = Field(1234, description="Seed of the dataset itself (not of the run).")
+    teacher_sign_error: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Probability that a train demonstration (the SFT target) of a negative answer comes from "
+        "a sloppy teacher that drops the minus sign. Models systematic errors in real SFT data; the "
+        "verifier's reference answers are always exact. 0 = clean demonstrations.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ArithOptions":
@@ -67,9 +73,12 @@ class ArithTask:
             pool.append((expr, str(_evaluate(expr))))
         cut1, cut2 = opts.num_hidden, opts.num_hidden + opts.num_dev
         splits = {Split.HIDDEN: pool[:cut1], Split.DEV: pool[cut1:cut2], Split.TRAIN: pool[cut2:]}
+        teacher = random.Random(f"{opts.seed}/teacher")
         records = {
             split: tuple(
-                PromptRecord(id=f"arith-{split.value}-{i}", text=f"{expr}=", answer=ans, split=split)
+                PromptRecord(id=f"arith-{split.value}-{i}", text=f"{expr}=", answer=ans, split=split,
+                             demonstration=_weak_teacher(ans, teacher, opts.teacher_sign_error)
+                             if split is Split.TRAIN and opts.teacher_sign_error > 0 else None)
                 for i, (expr, ans) in enumerate(rows)
             )
             for split, rows in splits.items()
@@ -87,6 +96,17 @@ def _draw(rng: random.Random, opts: ArithOptions) -> str:
         parts.append(rng.choice(opts.ops))
         parts.append(str(rng.randint(0, opts.max_operand)))
     return "".join(parts)
+
+
+def _weak_teacher(answer: str, rng: random.Random, error: float) -> str:
+    """The answer a sloppy teacher writes: it drops the minus sign with probability ``error``.
+
+    The mistake is systematic (one decision, the sign of a negative result), so a
+    policy can learn it from the demonstrations and a verifier reward can unlearn it.
+    """
+    if answer.startswith("-") and rng.random() < error:
+        return answer[1:]
+    return answer
 
 
 def _evaluate(expr: str) -> int:
@@ -118,5 +138,5 @@ def dataset_version(name: str, options: dict, records: dict[Split, tuple[PromptR
     h.update(json.dumps({"name": name, "options": options}, sort_keys=True).encode())
     for split in (Split.TRAIN, Split.DEV, Split.HIDDEN):
         for rec in records[split]:
-            h.update(f"{split.value}\x1f{rec.id}\x1f{rec.text}\x1f{rec.answer}\x1e".encode())
+            h.update(f"{split.value}\x1f{rec.id}\x1f{rec.text}\x1f{rec.answer}\x1f{rec.demonstration}\x1e".encode())
     return h.hexdigest()[:16]

@@ -6,6 +6,14 @@ trainable policy, an optional frozen reference (when the KL coefficient is
 epochs x mini-batches over one rollout batch, with gradient accumulation over
 micro-batches, gradient clipping, and a skipped update on NaN/Inf gradients.
 
+Checkpoints: ``checkpoint_state`` returns a private copy of the weights (tied
+aliases such as ``lm_head.weight`` dropped, as save_pretrained does), the
+optimizer and LR-schedule state dicts, the mini-batch shuffling generator,
+the policy version and the NaN-skip counter; ``load_checkpoint_state`` puts
+them back and refuses a checkpoint whose parameter names or shapes differ.
+There is no grad scaler: CPU training runs in fp32 or bf16 without loss
+scaling (``grad_scaler`` is None).
+
 What this is not: sharded training (FSDP / DeepSpeed learners are separate
 plugins) or advantage estimation (the engine passes advantages in the batch).
 """
@@ -19,11 +27,12 @@ from typing import Any, Mapping
 
 import torch
 
-from rlctl import WeightUpdate
+from rlctl import CheckpointError, WeightUpdate
 from rlctl.algo.losses import entropy_from_logits, kl_penalty_loss, ppo_clip_loss
 from rlctl.algo.sampling import process_logits, token_logprobs
 from rlctl.contracts.batch import TrainBatch
-from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.engine import state_codec
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_torch_learner.options import TorchLearnerOptions
@@ -152,6 +161,57 @@ class TorchLearner:
 
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory)
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def checkpoint_state(self) -> LearnerState:
+        return LearnerState(
+            policy_version=self.policy_version,
+            weights={k: v.detach().clone() for k, v in _unaliased(self.model.state_dict()).items()},
+            model_files=self._model_files(), optimizer=state_codec.clone(self.optimizer.state_dict()),
+            scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
+            rng={"minibatch_order": self.generator.get_state()}, counters={"nan_skips": self.nan_skips},
+        )
+
+    def load_checkpoint_state(self, state: LearnerState) -> None:
+        current = _unaliased(self.model.state_dict())
+        problems = [f"{k} is missing" for k in sorted(set(current) - set(state.weights))]
+        problems += [f"{k} is unexpected" for k in sorted(set(state.weights) - set(current))]
+        problems += [f"{k} is {list(state.weights[k].shape)} in the checkpoint but {list(v.shape)} now"
+                     for k, v in current.items() if k in state.weights and state.weights[k].shape != v.shape]
+        if problems:
+            raise CheckpointError(f"the model shape changed since the checkpoint: {'; '.join(problems[:3])}"
+                                  + (f" and {len(problems) - 3} more" if len(problems) > 3 else ""),
+                                  "resume with the model the run was trained with")
+        with torch.no_grad():
+            for name, tensor in current.items():
+                tensor.copy_(state.weights[name])
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.generator.set_state(state.rng["minibatch_order"])
+        self.policy_version = state.policy_version
+        self.nan_skips = int(state.counters.get("nan_skips", 0))
+
+    def _model_files(self) -> dict[str, str]:
+        config = copy.deepcopy(self.model.config)
+        config.architectures = [type(self.model).__name__]
+        files = {"config.json": config.to_json_string()}
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None:
+            files["generation_config.json"] = generation.to_json_string()
+        return files
+
+
+def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without tied aliases (e.g. lm_head.weight sharing the embedding): first name wins."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() == 0 or key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
 
 
 def _with_ref(batch: TrainBatch, ref: torch.Tensor | None) -> TrainBatch:

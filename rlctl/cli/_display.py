@@ -30,6 +30,7 @@ class TrainDisplay:
         )
         self._warm = None
         self._steps = None
+        self.run_id: str | None = None
 
     def __enter__(self) -> "TrainDisplay":
         self.progress.start()
@@ -40,7 +41,7 @@ class TrainDisplay:
 
     def callbacks(self) -> TrainCallbacks:
         return TrainCallbacks(warm_start=self.warm_start, run_started=self.run_started, step=self.step,
-                              eval_progress=self.eval_progress)
+                              eval_progress=self.eval_progress, start=self.start, warning=self.warning)
 
     def warm_start(self, step: int, total: int, loss: float) -> None:
         if self._warm is None:
@@ -48,8 +49,18 @@ class TrainDisplay:
         self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}")
 
     def run_started(self, run: RunRecord) -> None:
+        self.run_id = run.id
         self.progress.console.print(f"run [bold]{run.id}[/] -> {run.run_dir}")
         self._steps = self.progress.add_task("GRPO", total=self.total, info="")
+
+    def start(self, first_step: int, total_steps: int) -> None:
+        if self._steps is not None:
+            self.progress.update(self._steps, completed=first_step, total=total_steps)
+        if first_step:
+            self.progress.console.print(f"resuming at step {first_step} of {total_steps}")
+
+    def warning(self, message: str) -> None:
+        self.progress.console.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         info = "  ".join(f"{label} {metrics[key]:.3g}" for label, key in SHOWN if key in metrics)

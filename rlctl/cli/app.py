@@ -11,10 +11,14 @@ from typing import Optional, Sequence
 
 import typer
 
+from rlctl.cli import checkpoints as checkpoints_cli
+from rlctl.cli import dryrun as dryrun_cli
 from rlctl.cli import eval as eval_cli
 from rlctl.cli import plugins as plugins_cli
+from rlctl.cli import profile as profile_cli
 from rlctl.cli import registry as registry_cli
 from rlctl.cli import runs as runs_cli
+from rlctl.cli import serve as serve_cli
 from rlctl.cli import train as train_cli
 from rlctl.cli._errors import report
 
@@ -30,10 +34,15 @@ def build_app(with_plugins: bool = True) -> typer.Typer:
                       callback=_root)
     app.command("train")(train_cli.train)
     app.command("sft")(train_cli.sft)
+    app.command("resume")(checkpoints_cli.resume)
+    app.command("export")(checkpoints_cli.export)
     app.command("eval")(eval_cli.eval_cmd)
+    app.command("dryrun")(dryrun_cli.dryrun)
+    app.command("profile")(profile_cli.profile)
     app.add_typer(runs_cli.app, name="runs")
     app.add_typer(plugins_cli.app, name="plugins")
     app.add_typer(registry_cli.app, name="registry")
+    app.add_typer(serve_cli.app, name="serve")
     if with_plugins:
         from rlctl.hooks.manager import load_plugins
 

@@ -1,4 +1,4 @@
-"""``rlctl runs list|show``: the registry's runs, with provenance and last metrics."""
+"""``rlctl runs list|show``: the registry's runs, with provenance, last metrics and checkpoints."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[
 @app.command("show")
 def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Show one run: provenance, config, last metrics, evals and events."""
+    """Show one run: provenance, config, last metrics, evals, checkpoints and events."""
     with open_registry(registry) as reg:
         rec = reg.get_run(run)
         last = reg.last_metrics(rec.id)
         evals = reg.evals(rec.id)
         events = reg.events(rec.id)
+        checkpoints = reg.checkpoints(rec.id)
     if json_out:
         _output.print_json({"run": rec, "last_metrics": {k: {"step": s, "value": v} for k, (s, v) in last.items()},
-                            "evals": evals, "events": events})
+                            "evals": evals, "events": events, "checkpoints": checkpoints})
         return
     info = [("id", rec.id), ("name", rec.name), ("status", rec.status), ("created", _when(rec.created_at)),
             ("config hash", rec.config_hash), ("code version", rec.code_version),
@@ -57,5 +58,8 @@ def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
         _output.console.print(_output.table("evals", ["split", "n", "start", "final", "diff", "95% CI"], [
             (e.split, e.num_prompts, e.baseline_pass_at_1, e.candidate_pass_at_1, e.diff,
              f"[{e.ci_low:+.3f}, {e.ci_high:+.3f}]") for e in evals]))
+    if checkpoints:
+        _output.console.print(_output.table("committed checkpoints", ["step", "when", "path"],
+                                            [(c.step, _when(c.created_at), c.path) for c in checkpoints]))
     _output.console.print(_output.table("events", ["when", "kind", "message"],
                                         [(_when(e.created_at), e.kind, e.message) for e in events[-10:]]))

@@ -1,9 +1,9 @@
-"""``rlctl train`` and ``rlctl sft``: run a config, with dotted overrides."""
+"""``rlctl train`` and ``rlctl sft``: run a config, with dotted overrides (``--resume`` continues a run)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 
@@ -12,28 +12,70 @@ from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
 
 ConfigArg = typer.Argument(..., help="YAML config, e.g. configs/quickstart.yaml.")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. algo.group_size=8 train.steps=20.")
+AllowChangeOpt = typer.Option(False, "--allow-config-change",
+                              help="Resume even if the config (beyond steps, logging, eval and retention), the "
+                              "dataset or the tokenizer changed since the checkpoint.")
 
 
-def train(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg,
+def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. configs/quickstart.yaml "
+                                                  "(optional with --resume: the checkpoint's config is used)."),
+          overrides: Optional[List[str]] = OverridesArg,
           run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the run's files go."),
-          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
+          resume: Optional[str] = typer.Option(None, "--resume", help="Continue this run (id or unique prefix) "
+                                               "from its newest committed checkpoint instead of starting a new one."),
+          allow_config_change: bool = AllowChangeOpt, registry: Optional[str] = RegistryOpt,
+          json_out: bool = JsonOpt) -> None:
     """Train a policy: rollout -> reward -> advantage -> update -> weight sync, for train.steps steps."""
-    from rlctl.cli._display import TrainDisplay
-    from rlctl.cli.eval import render_eval
+    if resume is not None:
+        if run_dir is not None:
+            raise typer.BadParameter("--run-dir cannot be combined with --resume (a run keeps its directory)")
+        if config is not None and "=" in config.name and not config.exists():  # `train --resume RUN k=v`
+            config, overrides = None, [str(config), *(overrides or [])]
+        run_resume(resume, config, overrides or [], allow_config_change, registry, json_out)
+        return
+    if config is None:
+        raise typer.BadParameter("missing CONFIG (a YAML file), or pass --resume RUN", param_hint="CONFIG")
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
     from rlctl.ops.train import train as run_train
 
     cfg = load_config(config, overrides or [])
     plugins = load_plugins()
-    with open_registry(registry) as reg, TrainDisplay(cfg.train.steps, _output.err_console) as display:
-        result = run_train(cfg, registry=reg, plugins=plugins, home=rlctl_home(), run_dir=run_dir,
-                           callbacks=display.callbacks())
+    run_and_render(cfg.train.steps, registry, json_out, lambda reg, cb: run_train(
+        cfg, registry=reg, plugins=plugins, home=rlctl_home(), run_dir=run_dir, callbacks=cb))
+
+
+def run_resume(run: str, config: Optional[Path], overrides: List[str], allow_config_change: bool,
+               registry: Optional[str], json_out: bool) -> None:
+    """``rlctl resume`` / ``rlctl train --resume``: continue a run from its newest committed checkpoint."""
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.checkpoints import resume
+
+    plugins = load_plugins()
+    run_and_render(0, registry, json_out, lambda reg, cb: resume(
+        run, registry=reg, plugins=plugins, home=rlctl_home(), config_path=config, overrides=overrides,
+        allow_config_change=allow_config_change, callbacks=cb))
+
+
+def run_and_render(total_steps: int, registry: Optional[str], json_out: bool, go: Callable[[Any, Any], Any]) -> None:
+    """Run ``go(registry, callbacks)`` under the live display, then print the result."""
+    from rlctl.cli._display import TrainDisplay
+    from rlctl.cli.eval import render_eval
+
+    with open_registry(registry) as reg, TrainDisplay(total_steps, _output.err_console) as display:
+        try:
+            result = go(reg, display.callbacks())
+        except KeyboardInterrupt:
+            if display.run_id:
+                display.progress.console.print(f"interrupted: run {display.run_id} is marked 'interrupted'; "
+                                               f"continue it with `rlctl resume {display.run_id}`")
+            raise
     if json_out:
         _output.print_json({"run": result.run, "last_metrics": result.last_metrics, "wall_s": result.wall_s,
-                            "eval": result.eval})
+                            "eval": result.eval, "resumed_from": result.resumed_from, "first_step": result.first_step})
         return
-    _output.console.print(f"run {result.run.id} {result.run.status} in {result.wall_s:.1f}s")
+    _output.console.print(f"run {result.run.id} {result.run.status} in {result.wall_s:.1f}s"
+                          + (f" (resumed at step {result.first_step})" if result.resumed_from else ""))
     if result.eval is not None:
         render_eval(result.eval, result.eval_details)
 

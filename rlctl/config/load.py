@@ -85,6 +85,28 @@ def config_hash(config: BaseModel) -> str:
     return hashlib.sha256(config_json(config).encode()).hexdigest()[:16]
 
 
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any],
+                   allowed: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, old value, new value)`` for every leaf that differs, outside ``allowed`` paths."""
+    allowed = tuple(allowed)
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if any(path == p or path.startswith(p + ".") for p in allowed):
+            return
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for key in sorted(set(a) | set(b), key=str):
+                walk(a.get(key, _MISSING), b.get(key, _MISSING), f"{path}.{key}" if path else str(key))
+        elif a != b:
+            out.append((path, None if a is _MISSING else a, None if b is _MISSING else b))
+
+    walk(old, new, "")
+    return out
+
+
+_MISSING = object()
+
+
 def validate_options(model: type[BaseModel] | None, options: Mapping[str, Any], where: str) -> Any:
     """Validate a plugin's ``options`` block with the plugin's model; ``where`` is the dotted path."""
     if model is None:

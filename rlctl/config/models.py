@@ -161,7 +161,42 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps.")
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
-    deterministic: bool = Field(False, description="Deterministic torch algorithms.")
+    deterministic: bool = Field(
+        False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
+        "bit-reproducible, also across a checkpoint and resume."
+    )
+
+
+class CheckpointConfig(_Strict):
+    """Immutable checkpoint directories under ``<run_dir>/checkpoints/`` (rlctl.engine.checkpoint)."""
+
+    every_steps: int = Field(
+        20, ge=0, description="Save after every N completed steps and after the last step; 0 = never save."
+    )
+    keep_last: int = Field(
+        2, ge=1, description="Keep the newest K committed checkpoints (older ones are deleted only after "
+        "a newer one is committed and verified)."
+    )
+    keep_best_metric: str | None = Field(
+        None, description="Also keep the checkpoint with the best value of this metric (e.g. reward_mean); "
+        "null = off."
+    )
+    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether the best metric value is the max or the min.")
+    async_save: bool = Field(
+        True, description="Write checkpoints in a background thread (at most one in flight); the step "
+        "blocks only while the state is copied."
+    )
+    shadow_tolerance: float = Field(
+        1e-5, ge=0, description="Max |log-prob difference| allowed on the shadow batch when resuming."
+    )
+
+
+# Config paths a resume may change without --allow-config-change: they do not
+# change what the next step computes. A path covers everything below it.
+RESUME_MUTABLE_PATHS = (
+    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "eval", "checkpoint.every_steps",
+    "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
+)
 
 
 class EvalConfig(_Strict):
@@ -183,3 +218,4 @@ class RunConfig(_Strict):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from rlctl.contracts.types import (
+    CheckpointManifest,
+    CheckpointState,
+    LearnerState,
     RewardResult,
     RolloutRequest,
     TaskData,
@@ -82,6 +85,64 @@ class LearnerBackend(Protocol):
 
     def export_weights(self) -> WeightUpdate:
         """The current policy weights, tagged with ``policy_version``."""
+        ...
+
+
+@runtime_checkable
+class CheckpointableLearner(Protocol):
+    """A learner whose state a checkpoint can hold (optional: needed for checkpoint.every_steps > 0).
+
+    Kept apart from LearnerBackend so that a learner without checkpoint support
+    still runs with checkpoints off; the engine checks for it with isinstance.
+    """
+
+    def checkpoint_state(self) -> LearnerState:
+        """A private copy of weights, optimizer, LR schedule, scaler, generators and policy version."""
+        ...
+
+    def load_checkpoint_state(self, state: LearnerState) -> None:
+        """Restore exactly what ``checkpoint_state`` returned; raise CheckpointError if it does not fit."""
+        ...
+
+
+@runtime_checkable
+class StatefulRollout(Protocol):
+    """A rollout backend with its own resumable state (optional, e.g. a seeded sampler).
+
+    ``state()`` returns a tree of JSON data and tensors that the core never
+    reads; ``load_state`` takes it back. A backend without these methods is
+    resumed by weights alone.
+    """
+
+    def state(self) -> Mapping[str, Any]: ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """Where checkpoints live (local disk by default). Only committed checkpoints exist to readers.
+
+    ``save`` may return before the checkpoint is durable (at most one save in
+    flight); ``wait`` blocks until it is and re-raises its failure.
+    """
+
+    def save(self, state: CheckpointState) -> str:
+        """Start saving ``state``; return the checkpoint's path."""
+        ...
+
+    def wait(self) -> None: ...
+
+    def close(self, abort: bool = False) -> None:
+        """Finish (or, with ``abort``, cleanly abandon) the save in flight."""
+        ...
+
+    def list_committed(self) -> list[tuple[str, CheckpointManifest]]:
+        """Committed checkpoints as ``(path, manifest)``, oldest first (checksums not verified)."""
+        ...
+
+    def load(self, path: str) -> CheckpointState:
+        """Verify every checksum of the checkpoint at ``path`` and read it back."""
         ...
 
 

@@ -60,13 +60,19 @@ class PromptRecord:
     """One task prompt with its reference answer.
 
     >>> PromptRecord(id="arith-17", text="12+5=", answer="17", split=Split.TRAIN)
-    PromptRecord(id='arith-17', text='12+5=', answer='17', split=<Split.TRAIN: 'train'>)
+    PromptRecord(id='arith-17', text='12+5=', answer='17', split=<Split.TRAIN: 'train'>, demonstration=None)
     """
 
     id: str
     text: str
     answer: str
     split: Split
+    demonstration: str | None = None  # SFT target from the dataset's teacher; None = the answer
+
+    @property
+    def sft_target(self) -> str:
+        """What a supervised warm start imitates (may be wrong: teachers err; the verifier uses ``answer``)."""
+        return self.answer if self.demonstration is None else self.demonstration
 
 
 @dataclass(**_FROZEN)
@@ -195,15 +201,34 @@ class RewardResult:
 
 @dataclass(**_FROZEN)
 class TensorInfo:
+    """One logical tensor of a published weight version.
+
+    ``shape`` and ``dtype`` are what the receiver holds after decoding.
+    ``encoding`` is how values travel: "raw" (as is), "bf16", or "fp8_e4m3"
+    (per-row scale, stored next to it as ``<name>::scale``). ``layout`` is
+    "dense" (every element sent), or "gaps", "sparse" or "masked" (only the
+    ``num_changed`` elements that changed since the manifest's
+    ``base_version``: ``<name>::val`` plus their positions as 16-bit gaps
+    ``<name>::gap``, int32 indices ``<name>::idx`` or a bitmask ``<name>::mask``).
+
+    >>> TensorInfo(name="lm_head.weight", shape=(99, 32), dtype="float32")
+    TensorInfo(name='lm_head.weight', shape=(99, 32), dtype='float32', encoding='raw', layout='dense', num_changed=0)
+    """
+
     name: str
     shape: tuple[int, ...]
     dtype: str
+    encoding: str = "raw"
+    layout: str = "dense"
+    num_changed: int = 0
 
 
 @dataclass(**_FROZEN)
 class WeightShard:
-    path: str  # relative to the manifest's directory
-    sha256: str
+    """One unit of transfer: a safetensors blob (a file on disk, a bucket on a collective)."""
+
+    path: str  # relative to the manifest's directory (disk) or a bucket name (collective)
+    sha256: str  # of the blob's bytes; "" only for the in-process transport (nothing is copied)
     num_bytes: int
     tensors: tuple[TensorInfo, ...]
 
@@ -212,14 +237,36 @@ class WeightShard:
 class WeightManifest:
     """A published weight version: shards plus checksums, visible only once committed.
 
-    ``fingerprint`` is a hash over every tensor's bytes in name order, so a
-    receiver can prove it serves exactly these weights.
+    ``fingerprint`` is a hash over every decoded tensor's bytes in name order
+    (rlctl.models.fingerprint), so a receiver can prove it serves exactly these
+    weights. A delta manifest (``base_version`` set) carries only what changed
+    since that version: tensors in ``carried`` are taken unchanged from the
+    receiver's copy of the base, whose fingerprint must equal ``base_fingerprint``.
+
+    >>> m = WeightManifest(version=3, fingerprint="ab", shards=(), created_at=0.0)
+    >>> (m.is_delta, m.num_bytes)
+    (False, 0)
     """
 
     version: int
     fingerprint: str
     shards: tuple[WeightShard, ...]
     created_at: float
+    base_version: int | None = None
+    base_fingerprint: str = ""
+    carried: tuple[TensorInfo, ...] = ()
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version is not None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.shards)
+
+    def tensors(self) -> tuple[TensorInfo, ...]:
+        """Every logical tensor of the version: the sent ones, then the carried ones."""
+        return tuple(t for s in self.shards for t in s.tensors) + self.carried
 
 
 @dataclass(**_FROZEN)
@@ -309,3 +356,162 @@ class LearnerContext:
     seed: int
     max_response_tokens: int
     deterministic: bool = False
+
+
+# -- checkpoints ----------------------------------------------------------------
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(**_FROZEN)
+class CheckpointFile:
+    """One file of a checkpoint: its path relative to the checkpoint directory, sha256 and size."""
+
+    path: str
+    sha256: str
+    num_bytes: int
+
+
+@dataclass(**_FROZEN)
+class CheckpointManifest:
+    """The ``COMMITTED`` file of a checkpoint directory: what it holds and the checksum of every file.
+
+    A checkpoint directory exists for readers only once this manifest has been
+    renamed into place (rlctl.engine.checkpoint). ``step`` counts completed RL
+    steps, so a resume continues with step index ``step``. The manifest carries
+    its own checksum (``to_json`` / ``from_json``), so a flipped byte in it is
+    caught like a flipped byte in any other file.
+
+    >>> m = CheckpointManifest(run_id="r", step=2, policy_version=2, created_at=0.0, config_hash="c",
+    ...     code_version="git:abc", dataset_version="d", tokenizer_hash="t",
+    ...     files=(CheckpointFile(path="state.json", sha256="00", num_bytes=2),))
+    >>> CheckpointManifest.from_json(m.to_json()) == m
+    True
+    """
+
+    run_id: str
+    step: int
+    policy_version: int
+    created_at: float
+    config_hash: str
+    code_version: str
+    dataset_version: str
+    tokenizer_hash: str
+    files: tuple[CheckpointFile, ...]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    format_version: int = CHECKPOINT_FORMAT
+
+    def _body(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["files"] = [asdict(f) for f in self.files]
+        body["metrics"] = dict(sorted(self.metrics.items()))
+        return body
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, ASCII) with a ``manifest_sha256`` over everything else."""
+        body = self._body()
+        body["manifest_sha256"] = hashlib.sha256(_canonical(body).encode()).hexdigest()
+        return _canonical(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CheckpointManifest":
+        """Parse and check the self-checksum; ValueError says what is wrong."""
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"manifest is not valid JSON ({err})") from None
+        if not isinstance(body, dict):
+            raise ValueError("manifest is not a JSON object")
+        claimed = body.pop("manifest_sha256", None)
+        if claimed != hashlib.sha256(_canonical(body).encode()).hexdigest():
+            raise ValueError("manifest checksum does not match its content")
+        if body.get("format_version") != CHECKPOINT_FORMAT:
+            raise ValueError(f"unknown checkpoint format {body.get('format_version')!r}")
+        try:
+            body["files"] = tuple(CheckpointFile(**f) for f in body["files"])
+            manifest = cls(**body)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"manifest fields are wrong ({err})") from None
+        if manifest.to_json() != text:
+            raise ValueError("manifest is not in canonical form")
+        return manifest
+
+
+def _canonical(body: Mapping[str, Any]) -> str:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+
+
+@dataclass(**_FROZEN)
+class CheckpointRecord:
+    """A committed checkpoint as the registry indexes it (the directory is the truth)."""
+
+    run_id: str
+    step: int
+    path: str
+    manifest_sha256: str
+    created_at: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(**_FROZEN)
+class LearnerState:
+    """Everything a learner needs to continue bit for bit (what ``checkpoint_state`` returns).
+
+    ``weights`` are Hugging Face state-dict names -> tensors, tied aliases
+    dropped (written as ``model/model.safetensors``); ``model_files`` are the
+    model's config files (name -> JSON text). ``optimizer``, ``scheduler``,
+    ``grad_scaler`` and ``rng`` are the backend's ``state_dict()`` trees: any
+    tensor inside is saved with safetensors, the rest as JSON (never pickle).
+    ``grad_scaler`` is None when the learner uses no loss scaling.
+    """
+
+    policy_version: int
+    weights: Mapping[str, Any]
+    model_files: Mapping[str, str]
+    optimizer: Mapping[str, Any]
+    scheduler: Mapping[str, Any]
+    grad_scaler: Mapping[str, Any] | None = None
+    rng: Mapping[str, Any] = field(default_factory=dict)
+    counters: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(**_FROZEN)
+class ShadowBatch:
+    """A small fixed batch and the log-probs the policy gave it when a checkpoint was saved.
+
+    A resume recomputes the log-probs with the restored learner and refuses to
+    continue if they differ by more than ``checkpoint.shadow_tolerance``.
+    """
+
+    input_ids: Any  # [N, T] long
+    attention_mask: Any  # [N, T] long
+    action_mask: Any  # [N, T] float
+    logprobs: Any  # [N, T] float32
+    sampling: SamplingConfig
+
+
+@dataclass(**_FROZEN)
+class CheckpointState:
+    """One consistent snapshot of a run between two steps (tensors are private copies).
+
+    ``step`` completed steps. ``rollout`` is the rollout backend's optional
+    ``state()`` tree (the core never reads it). ``cursor`` is the prompt
+    cursor's ``{"epoch", "position"}``. ``rng`` holds the process RNG states per
+    rank (``{"rank0": {"python", "numpy", "torch", ["cuda"]}}``). ``config`` is the
+    resolved run config as JSON data; the other fields are its provenance.
+    """
+
+    step: int
+    learner: LearnerState
+    rollout: Mapping[str, Any] | None
+    cursor: Mapping[str, int]
+    rng: Mapping[str, Any]
+    shadow: ShadowBatch
+    run_id: str
+    config: Mapping[str, Any]
+    config_hash: str
+    code_version: str
+    dataset_version: str
+    tokenizer_hash: str
+    tokenizer_dir: str
+    metrics: Mapping[str, float] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The synchronous RL loop: sample -> score -> advantages -> update -> sync weights -> log.
+"""The synchronous RL loop: sample -> score -> advantages -> update -> sync weights -> log -> checkpoint.
 
 What this is: one function you can read top to bottom. Every detail lives in a
 role (rollout backend, reward, learner) or a pure function (rlctl.algo).
@@ -10,7 +10,7 @@ display (the CLI passes an observer). It never imports ray, rich or the registry
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
@@ -22,9 +22,19 @@ from rlctl.engine.session import Session
 Observer = Callable[[int, Mapping[str, float]], None]
 
 
+class Checkpointer(Protocol):
+    """Called after each step (rlctl.engine.snapshot.StepCheckpointer saves when one is due)."""
+
+    def after_step(self, steps_done: int, metrics: Mapping[str, float]) -> None: ...
+
+
 def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer | None = None,
-             start_step: int = 0) -> dict[str, float]:
-    """Run steps ``start_step .. train.steps-1``; return the last step's metrics."""
+             start_step: int = 0, checkpoint: Checkpointer | None = None) -> dict[str, float]:
+    """Run steps ``start_step .. train.steps-1``; return the last step's metrics.
+
+    A resumed run passes the restored session and ``start_step`` = the
+    checkpoint's completed steps.
+    """
     from rlctl.algo.advantages import grpo_advantages
     from rlctl.algo.kl import kl_estimate
 
@@ -63,6 +73,8 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             for sink in sinks:
                 sink.write(step, metrics)
+        if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
+            checkpoint.after_step(step + 1, metrics)
         if observer is not None:
             observer(step, metrics)
     return metrics

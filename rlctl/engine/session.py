@@ -70,18 +70,38 @@ def sampling_config(config: RunConfig) -> SamplingConfig:
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
 
 
-def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
-                  progress: Callable[[int, int, float], None] | None = None) -> Session:
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed python, numpy and torch; with ``deterministic``, also force deterministic torch kernels.
+
+    Deterministic mode (``train.deterministic``) makes a CPU run bit-reproducible:
+    same config and seed, same parameters after every step, also across a
+    checkpoint and resume. On CUDA it also needs a fixed cuBLAS workspace.
+    """
+    import os
+    import random
+
+    import numpy as np
     import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
+                  progress: Callable[[int, int, float], None] | None = None, task: TaskData | None = None) -> Session:
+    """Build every role of a run; ``task`` skips loading the task when the caller already has it."""
     from transformers import AutoTokenizer
 
     from rlctl.models.tokenizer import tokenizer_hash
 
-    if config.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(config.run.seed)
+    seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
-    task = load_task(config, plugins)
+    task = task or load_task(config, plugins)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)

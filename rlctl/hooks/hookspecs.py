@@ -85,5 +85,15 @@ def on_step_end(run_id: str, step: int, metrics: Mapping[str, float]) -> None:
 
 
 @hookspec
+def on_checkpoint_saved(run_id: str, step: int, path: str, manifest: Any) -> None:
+    """A checkpoint of ``step`` completed steps is committed at ``path`` and indexed in the registry.
+
+    ``manifest`` is its frozen CheckpointManifest (files and sha256s). Called
+    from the background thread that wrote the checkpoint (driver process only);
+    an exception is reported as a warning and never fails the run.
+    """
+
+
+@hookspec
 def on_run_end(run_id: str, status: str) -> None:
     """The run finished with ``status`` (succeeded / failed / interrupted)."""

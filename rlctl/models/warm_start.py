@@ -96,7 +96,7 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
 
 def _encode(tokenizer: Any, record: PromptRecord) -> tuple[list[int], int]:
     prompt = tokenizer(record.text)["input_ids"]
-    answer = tokenizer(record.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answer = tokenizer(record.sft_target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + answer, len(prompt)
 
 

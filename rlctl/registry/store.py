@@ -2,14 +2,19 @@
 
 What this is: ``Registry``, a small facade over the ORM tables that takes and
 returns the contract dataclasses (RunRecord, MetricPoint, EventRecord,
-EvalRecord); ORM objects never leave this module. Each method is one short
+EvalRecord, CheckpointRecord); ORM objects never leave this module. Each method is one short
 transaction. SQLite lock contention is retried with backoff on top of
 busy_timeout; a dropped PostgreSQL connection is retried once for idempotent
 writes (run creation, run updates, metric upserts) and surfaces as
 RegistryError otherwise.
 
-What this is not: checkpoint bookkeeping (its table is reserved for the
-checkpoint store), schema management (db.py, migrations/) or rendering.
+Checkpoints: the checkpoints table is an index of committed checkpoint
+directories. A row is added only after the directory's manifest is committed
+and removed when retention deletes it; the directory is the truth, and a
+resume reconciles the rows with it (rlctl.ops.checkpoints).
+
+What this is not: the checkpoint store itself (rlctl.engine.checkpoint),
+schema management (db.py, migrations/) or rendering.
 
 Non-finite metrics: PostgreSQL stores NaN and +/-inf as-is. SQLite stores
 +/-inf but turns NaN into NULL, so on SQLite a NaN metric is not written (an
@@ -33,9 +38,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from rlctl.contracts.errors import RegistryError
-from rlctl.contracts.types import EvalRecord, EventRecord, MetricPoint, RunRecord
+from rlctl.contracts.types import CheckpointRecord, EvalRecord, EventRecord, MetricPoint, RunRecord
 from rlctl.registry.db import IMMEDIATE, URL_HINT, default_url, display_url, migrate, open_engine
-from rlctl.registry.tables import Eval, Event, Metric, Run
+from rlctl.registry.tables import Checkpoint, Eval, Event, Metric, Run
 
 T = TypeVar("T")
 _EVAL_FIELDS = tuple(f.name for f in dataclasses.fields(EvalRecord))
@@ -131,8 +136,12 @@ class Registry:
         tokenizer_hash: str | None = None,
         error: str | None = None,
         run_dir: str | None = None,
+        clear_error: bool = False,
     ) -> RunRecord:
-        """Set the given fields (None leaves a field as it is) and bump ``updated_at``."""
+        """Set the given fields (None leaves a field as it is) and bump ``updated_at``.
+
+        ``clear_error`` sets ``error`` back to NULL (a resumed run is no longer failed).
+        """
         changes: dict[str, Any] = {
             k: v
             for k, v in dict(
@@ -141,6 +150,8 @@ class Registry:
             ).items()
             if v is not None
         }
+        if clear_error:
+            changes["error"] = None
         changes["updated_at"] = time.time()
 
         def write(s: Session) -> RunRecord:
@@ -244,6 +255,49 @@ class Registry:
             return last or self._check_run(s, run_id, {})
 
         return self._tx(f"read metrics of run {run_id}", read)
+
+    def delete_metrics_from(self, run_id: str, step: int) -> int:
+        """Remove the run's metrics at ``step`` and later (a resume re-runs them); return the row count."""
+
+        def write(s: Session) -> int:
+            self._check_run(s, run_id, None)
+            return s.execute(delete(Metric).where(Metric.run_id == run_id, Metric.step >= step)).rowcount
+
+        return self._tx(f"delete metrics of run {run_id}", write, write=True)
+
+    # -- checkpoints ------------------------------------------------------
+
+    def add_checkpoint(self, run_id: str, step: int, path: str, manifest_sha256: str,
+                       metrics: Mapping[str, float] | None = None) -> None:
+        """Index a committed checkpoint (upsert on run and step, so a retry or a reconcile is harmless)."""
+        values = dict(run_id=run_id, step=step, path=str(path), manifest_sha256=manifest_sha256,
+                      created_at=time.time(), metrics=_json_safe(dict(metrics or {}), "checkpoint metrics"))
+
+        def write(s: Session) -> None:
+            stmt = self._insert(Checkpoint).values(**values)
+            s.execute(stmt.on_conflict_do_update(
+                index_elements=["run_id", "step"],
+                set_={k: stmt.excluded[k] for k in ("path", "manifest_sha256", "created_at", "metrics")},
+            ))
+
+        self._tx(f"add checkpoint to run {run_id}", write, write=True, idempotent=True, run_id=run_id)
+
+    def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's indexed checkpoints, oldest step first."""
+        query = select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
+
+        def read(s: Session) -> list[CheckpointRecord]:
+            found = [CheckpointRecord(run_id=c.run_id, step=c.step, path=c.path, manifest_sha256=c.manifest_sha256,
+                                      created_at=c.created_at, metrics=c.metrics or {}) for c in s.scalars(query)]
+            return found or self._check_run(s, run_id, [])
+
+        return self._tx(f"read checkpoints of run {run_id}", read)
+
+    def delete_checkpoint(self, run_id: str, step: int) -> None:
+        """Remove the index row of the run's checkpoint at ``step`` (no error if there is none)."""
+        self._tx(f"delete checkpoint of run {run_id}",
+                 lambda s: s.execute(delete(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == step)),
+                 write=True)
 
     # -- events and evals -------------------------------------------------
 

@@ -45,6 +45,11 @@ def test_train_records_run_metrics_policy_and_eval(home, tmp_path):
     assert shown["evals"] and shown["evals"][0]["run_id"] == run["id"]
 
     run_dir = Path(run["run_dir"])
+    from rlctl.engine.checkpoint import verify
+
+    manifest = verify(run_dir / "checkpoints" / "step-000003")  # the last step is always checkpointed
+    assert manifest.step == 3 and manifest.run_id == run["id"]
+    assert [c["step"] for c in shown["checkpoints"]] == [3]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     start = load_file(Path(json.loads((run_dir / "run.json").read_text())["initial_policy"]) / "model.safetensors")

@@ -25,7 +25,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 
 BUILTINS = {
     "task_source": ["arith", "jsonl"],
-    "rollout_backend": ["local"],
+    "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
     "reward_function": ["format", "length", "math"],
     "metric_sink": ["jsonl"],
@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl")},
     "rewards": {"reward function": ("format", "length", "math")},
     "local_engine": {"rollout backend": ("local",)},
+    "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
     "sinks": {"metric sink": ("jsonl",)},
 }
@@ -131,7 +132,7 @@ def test_builtins_build(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "typo", "suggestion", "installed"),
     [
-        ("rollout_backend", "loacl", "local", "local"),
+        ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl"),
         ("learner_backend", "torhc", "torch", "torch"),
@@ -322,7 +323,7 @@ def test_third_party_import_failure_names_the_plugin(third_party, monkeypatch) -
 def test_pinning_avoids_importing_a_broken_third_party(third_party, monkeypatch) -> None:
     third_party(FakeEntryPoint("flaky", ImportError("boom")))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "")
-    assert load_plugins().names("rollout_backend") == ["local"]
+    assert load_plugins().names("rollout_backend") == ["local", "sglang"]
 
 
 def test_two_packages_with_the_same_plugin_name(third_party, monkeypatch) -> None:

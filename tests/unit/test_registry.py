@@ -264,6 +264,42 @@ def test_non_finite_metrics(reg: Registry, url: str) -> None:
         assert math.isnan(values["loss"]) and reg.events(run.id) == []
 
 
+def test_delete_metrics_from_a_step_keeps_the_earlier_steps(reg: Registry) -> None:
+    run = new_run(reg)
+    for step in range(5):
+        reg.log_metrics(run.id, step, {"loss": float(step), "reward_mean": 0.5})
+    assert reg.delete_metrics_from(run.id, 3) == 4
+    assert sorted({p.step for p in reg.metrics(run.id)}) == [0, 1, 2]
+    with pytest.raises(RegistryError, match="no run"):
+        reg.delete_metrics_from("nope", 0)
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+def test_checkpoint_rows_upsert_list_and_delete(reg: Registry) -> None:
+    run = new_run(reg)
+    assert reg.checkpoints(run.id) == []
+    reg.add_checkpoint(run.id, 20, "/runs/tiny/checkpoints/step-000020", "a" * 64, {"reward_mean": 0.5})
+    reg.add_checkpoint(run.id, 10, "/runs/tiny/checkpoints/step-000010", "b" * 64, {"reward_mean": math.nan})
+    reg.add_checkpoint(run.id, 20, "/runs/tiny/checkpoints/step-000020", "c" * 64)  # a retry or a reconcile
+    rows = reg.checkpoints(run.id)
+    assert [(r.step, r.manifest_sha256[0]) for r in rows] == [(10, "b"), (20, "c")]
+    assert rows[0].metrics == {"reward_mean": "nan"} and rows[1].metrics == {}
+    reg.delete_checkpoint(run.id, 10)
+    reg.delete_checkpoint(run.id, 99)  # absent: no error
+    assert [r.step for r in reg.checkpoints(run.id)] == [20]
+    with pytest.raises(RegistryError, match="no run"):
+        reg.add_checkpoint("nope", 1, "/x", "d" * 64)
+
+
+def test_update_run_can_clear_the_error(reg: Registry) -> None:
+    run = new_run(reg)
+    assert reg.update_run(run.id, status="failed", error="boom").error == "boom"
+    assert reg.update_run(run.id, status="running").error == "boom"
+    assert reg.update_run(run.id, status="running", clear_error=True).error is None
+
+
 # -- events and evals --------------------------------------------------------
 
 

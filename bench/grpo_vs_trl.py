@@ -1,0 +1,196 @@
+"""Benchmark: rlctl's synchronous GRPO step vs Hugging Face TRL's GRPOTrainer, same model and settings, CPU.
+
+Run:  OMP_NUM_THREADS=1 python bench/grpo_vs_trl.py [--steps 10] [--prompts 16] [--group 8] [--max-tokens 12]
+(needs the bench extra: pip install -e '.[bench]')
+
+Setup (identical for both): the quickstart's built-in tiny model (Llama shape, hidden 128, 4 layers, GQA
+4/2 heads), warm-started once by rlctl (``--warm-start-steps`` SFT steps, cached under RLCTL_HOME) and loaded
+from the same directory by both; the arithmetic task's train prompts; B prompts x G samples per step;
+temperature 1, top-p 1, top-k off, at most ``--max-tokens`` new tokens; reward = math + 0.1 x format with a
+response cut at max tokens scored 0 (rlctl's truncation rule, applied in TRL's reward function too); PPO clip
+0.2, one epoch, one mini-batch, all B x G sequences in one micro-batch, no KL reference (beta = 0), token-mean
+loss (TRL "dapo"), group-std advantage scaling, AdamW lr 5e-5 constant, grad clip 1.0, fp32.
+
+Measurement: the two trainers run interleaved in one process (TRL's step-end callback runs one rlctl step),
+so both see the same machine load. A step's wall time is, for rlctl, the time from one step's end to the next
+(the whole loop body: rollout, reward, advantages, learner, weight sync, metrics), and for TRL the time from
+``on_step_begin`` to ``on_step_end`` (generation, reward, loss, optimizer; its logging is excluded, which
+favours TRL slightly). The first ``--warmup`` steps of each are dropped; the table shows medians.
+Throughput = completions (B x G) / step time and generated tokens / step time; the ratio column is
+rlctl / TRL, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10, help="Measured + warm-up steps per trainer.")
+    p.add_argument("--warmup", type=int, default=2, help="Leading steps of each trainer not counted.")
+    p.add_argument("--prompts", type=int, default=16, help="B: prompts per step.")
+    p.add_argument("--group", type=int, default=8, help="G: samples per prompt.")
+    p.add_argument("--max-tokens", type=int, default=12, help="Max new tokens per response.")
+    p.add_argument("--warm-start-steps", type=int, default=300, help="SFT steps of the shared starting policy.")
+    p.add_argument("--home", default=os.environ.get("RLCTL_HOME", str(Path("~/.rlctl").expanduser())),
+                   help="RLCTL_HOME holding the warm-start cache.")
+    return p.parse_args(argv)
+
+
+def rlctl_config(args: argparse.Namespace) -> Any:
+    from rlctl.config.load import load_config
+
+    return load_config(REPO / "configs" / "quickstart.yaml", [
+        f"model.warm_start.steps={args.warm_start_steps}", f"algo.prompts_per_step={args.prompts}",
+        f"algo.group_size={args.group}", f"algo.micro_batch_size={args.prompts * args.group}",
+        f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0", "eval.at_end=false",
+        "checkpoint.every_steps=0", "train.metric_sinks=[]", f"train.steps={args.steps}",
+    ])
+
+
+class RlctlStepper:
+    """Runs rlctl's real loop (rlctl.engine.loop.run_sync) one step at a time and times each step."""
+
+    def __init__(self, config: Any, home: Path) -> None:
+        from rlctl.engine.session import build_session
+        from rlctl.hooks.manager import load_plugins
+
+        self.session = build_session(config, load_plugins(), cache_root=home / "cache")
+        self.done, self.times, self.tokens = 0, [], []
+
+    def step(self) -> None:
+        from rlctl.engine.loop import run_sync
+
+        s = self.session
+        s.config = s.config.model_copy(update={"train": s.config.train.model_copy(update={"steps": self.done + 1})})
+        started = time.perf_counter()
+        metrics = run_sync(s, [], start_step=self.done)
+        self.times.append(time.perf_counter() - started)
+        n = s.config.algo.prompts_per_step * s.config.algo.group_size
+        self.tokens.append(metrics["response_length_mean"] * n)
+        self.done += 1
+
+
+def trl_reward(config: Any, eos_id: int) -> Any:
+    """rlctl's configured mixed reward (math + format) as a TRL reward function, with the truncation rule."""
+    from rlctl.contracts.types import SamplingConfig, TerminalReason
+    from rlctl.engine.session import build_reward
+    from rlctl.hooks.manager import load_plugins
+
+    mixed = build_reward(config, load_plugins())
+    sampling = SamplingConfig(max_tokens=config.rollout.max_tokens)
+    penalty = config.rollout.truncation_penalty
+    counted: list[int] = []
+
+    def reward(completions: list[str], completion_ids: list[list[int]], answer: list[str],
+               **_: Any) -> list[float]:
+        out = []
+        counted.append(sum(len(c) for c in completion_ids))
+        for text, ids, ref in zip(completions, completion_ids, answer):
+            ended = bool(ids) and ids[-1] == eos_id
+            traj = SimpleNamespace(response_text=text, num_response_tokens=len(ids), sampling_config=sampling,
+                                   terminal_reason=TerminalReason.EOS if ended else TerminalReason.LENGTH)
+            result = mixed.score(traj, ref)
+            out.append(penalty if (not ended and penalty is not None) else result.total)
+        return out
+
+    return reward, counted
+
+
+def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace, on_step_end: Any) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+    rows = list(task.train)
+    data = Dataset.from_dict({"prompt": [r.text for r in rows], "answer": [r.answer for r in rows]})
+    reward, counted = trl_reward(config, tokenizer.eos_token_id)
+    reward.__name__ = "rlctl_mix"
+    n = args.prompts * args.group
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
+        num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
+        learning_rate=config.train.optim.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_steps=args.steps, logging_steps=1, use_cpu=True,
+        report_to=[], save_strategy="no", seed=0, disable_dropout=True, bf16=False, dataloader_num_workers=0,
+        log_completions=False,
+    )
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.started = 0.0
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            self.times.append(time.perf_counter() - self.started)
+            on_step_end()
+
+    timer = Timer()
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[timer])
+    return trainer, timer, counted
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    home = Path(args.home).expanduser()
+    config = rlctl_config(args)
+    t0 = time.perf_counter()
+    ours = RlctlStepper(config, home)
+    print(f"setup: policy {ours.session.policy_dir} ({time.perf_counter() - t0:.1f}s incl. warm start if not cached)",
+          flush=True)
+    trainer, timer, counted = build_trl(config, ours.session.policy_dir, ours.session.task, args, ours.step)
+    trainer.train()
+    n = args.prompts * args.group
+    w = args.warmup
+    rl_t, trl_t = statistics.median(ours.times[w:]), statistics.median(timer.times[w:])
+    rl_tok = statistics.median(ours.tokens[w:])
+    trl_tok = statistics.median(counted[w:len(timer.times)])
+    rows = [
+        ("step time (s)", rl_t, trl_t, trl_t / rl_t),
+        ("completions/s", n / rl_t, n / trl_t, (n / rl_t) / (n / trl_t)),
+        ("generated tokens/s", rl_tok / rl_t, trl_tok / trl_t, (rl_tok / rl_t) / (trl_tok / trl_t)),
+        ("generated tokens/step", rl_tok, trl_tok, rl_tok / trl_tok),
+    ]
+    print(f"\nsync GRPO step, tiny model, B={args.prompts} G={args.group} max_tokens={args.max_tokens}, "
+          f"median of {len(ours.times) - w} steps each (interleaved), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    print(f"{'metric':<24}{'rlctl':>12}{'TRL 1.16':>12}{'rlctl/TRL':>12}")
+    for name, a, b, r in rows:
+        print(f"{name:<24}{a:>12.4g}{b:>12.4g}{r:>12.2f}")
+    print(f"\nper-step times rlctl: {[round(x, 3) for x in ours.times]}")
+    print(f"per-step times TRL:   {[round(x, 3) for x in timer.times]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

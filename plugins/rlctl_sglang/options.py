@@ -1,0 +1,50 @@
+"""Options of the rlctl_sglang plugin (imported at startup, so it must stay light: no torch)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SGLangOptions(BaseModel):
+    """``rollout.options`` for ``rollout.backend: sglang``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: list[str] = Field(min_length=1, description="Base URLs of the servers: `python -m sglang.launch_server` "
+                               "or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. All G samples of a prompt "
+                               "go to one of them (chosen by a hash of the prompt id).")
+    timeout_s: float = Field(300.0, gt=0, description="Timeout of one HTTP request (a whole /generate batch included).")
+    retries: int = Field(3, ge=0, description="Bounded retries for weight-sync confirmation, resync and generate; "
+                         "past them the step fails with an error naming the server.")
+    retry_backoff_s: float = Field(0.5, ge=0, description="Delay before the first retry; doubles each retry.")
+    publish_dir: str | None = Field(None, description="Directory for published weight versions; every server must "
+                                    "read it at the same path (shared disk). Default: a fresh temp dir on this host.")
+    weight_sync: Literal["disk"] = Field("disk", description="How weights reach the servers: 'disk' publishes a "
+                                         "version directory, then POSTs /update_weights_from_disk to each server.")
+    encoding: Literal["raw", "bf16", "fp8"] = Field("raw", description="Wire encoding of published weights; bf16 "
+                                                    "and fp8 are dequantised by the receiver (fp8: rlctl servers only).")
+    delta: bool = Field(False, description="Publish only what changed since the last version (rlctl servers only).")
+    bucket_bytes: int = Field(256 << 20, ge=1024, description="Shard size of a published version.")
+    keep_versions: int = Field(2, ge=1, description="Committed versions kept in publish_dir.")
+    sync_on_start: bool = Field(True, description="Load the run's starting model on every server at startup, so a "
+                                "server left at other weights never serves this run.")
+
+    @field_validator("servers")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server {url!r} must be an http(s) URL such as http://127.0.0.1:30000")
+            out.append(url.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError("a server is listed twice in rollout.options.servers; list each once")
+        return out
+
+    @model_validator(mode="after")
+    def _delta_encoding(self) -> "SGLangOptions":
+        if self.delta and self.encoding == "fp8":
+            raise ValueError("delta publish needs encoding raw or bf16 (fp8 scales change every step)")
+        return self

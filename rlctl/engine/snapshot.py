@@ -1,0 +1,251 @@
+"""Capture a session's whole state between two steps, and restore a session from it.
+
+What this is: ``StepCheckpointer`` (what the loop calls after every step: it
+decides whether a checkpoint is due, snapshots the session and hands the copy
+to a CheckpointStore, which writes it in the background), ``capture`` and
+``restore`` (learner, data cursor, shadow batch, rollout backend, process RNG
+states), and ``compatibility_problems``, the check a resume runs before it
+trusts a checkpoint with today's config, data and tokenizer.
+
+Restore order (SPEC R-CKPT-3, RELIABILITY B.1): the learner first, then the
+data cursor, then the shadow forward (refuse if the log-probs moved beyond the
+tolerance), then the rollout backend receives the restored weights before it
+generates anything, and the process RNG states come last so nothing above
+consumes them.
+
+What this is not: the file format and commit protocol (rlctl.engine.checkpoint)
+or run bookkeeping such as registry rows and resume events (rlctl.ops).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from rlctl.config.load import config_changes
+from rlctl.config.models import RESUME_MUTABLE_PATHS
+from rlctl.contracts.batch import TrainBatch
+from rlctl.contracts.errors import CheckpointError
+from rlctl.contracts.roles import CheckpointableLearner, CheckpointStore, StatefulRollout
+from rlctl.contracts.types import CheckpointState, ShadowBatch
+from rlctl.engine import state_codec
+from rlctl.engine.batching import CursorState
+from rlctl.engine.session import Session
+
+SHADOW_PROMPTS = 4  # rows of the shadow batch: the first train prompts with their reference answers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Provenance:
+    """Who a checkpoint belongs to: the run and the code and config it was produced with."""
+
+    run_id: str
+    config_hash: str
+    code_version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreReport:
+    """What ``restore`` found: the shadow forward's max |log-prob difference| and any notes."""
+
+    shadow_max_abs_diff: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class StepCheckpointer:
+    """Checkpoints a session after every ``every_steps`` completed steps and after the last step.
+
+    ``after_step`` blocks only while the state is copied (and while a previous
+    save is still in flight); the store writes the copy in the background.
+    ``blocking_s`` records how long each save blocked the loop.
+    """
+
+    def __init__(self, session: Session, store: CheckpointStore, provenance: Provenance, *, every_steps: int,
+                 total_steps: int) -> None:
+        if every_steps and not isinstance(session.learner, CheckpointableLearner):
+            raise CheckpointError(
+                f"learner backend {session.config.train.learner!r} cannot be checkpointed "
+                "(it has no checkpoint_state / load_checkpoint_state)",
+                "set checkpoint.every_steps=0 to train without checkpoints, or use a learner that supports them",
+            )
+        self.session, self.store, self.provenance = session, store, provenance
+        self.every_steps, self.total_steps = every_steps, total_steps
+        self.blocking_s: list[float] = []
+        self._shadow: TrainBatch | None = None
+
+    def due(self, steps_done: int) -> bool:
+        return self.every_steps > 0 and (steps_done % self.every_steps == 0 or steps_done == self.total_steps)
+
+    def after_step(self, steps_done: int, metrics: Mapping[str, float]) -> None:
+        """Called by the loop once the step's metrics are logged; saves when a checkpoint is due."""
+        if not self.due(steps_done):
+            return
+        started = time.perf_counter()
+        if self._shadow is None:
+            self._shadow = shadow_batch(self.session)
+        self.store.save(capture(self.session, steps_done, metrics, self.provenance, self._shadow))
+        self.blocking_s.append(time.perf_counter() - started)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the save in flight (or abandon it cleanly with ``abort``)."""
+        self.store.close(abort=abort)
+
+
+def capture(session: Session, steps_done: int, metrics: Mapping[str, float], provenance: Provenance,
+            shadow: TrainBatch) -> CheckpointState:
+    """A private copy of everything the next step depends on."""
+    learner = session.learner
+    assert isinstance(learner, CheckpointableLearner)
+    rollout = session.rollout
+    return CheckpointState(
+        step=steps_done, learner=learner.checkpoint_state(),
+        rollout=state_codec.clone(rollout.state()) if isinstance(rollout, StatefulRollout) else None,
+        cursor={"epoch": session.cursor.state.epoch, "position": session.cursor.state.position},
+        rng=capture_rng(),
+        shadow=ShadowBatch(input_ids=shadow.input_ids, attention_mask=shadow.attention_mask,
+                           action_mask=shadow.action_mask, logprobs=learner.logprobs(shadow).float(),
+                           sampling=shadow.sampling),
+        run_id=provenance.run_id, config=session.config.model_dump(mode="json"),
+        config_hash=provenance.config_hash, code_version=provenance.code_version,
+        dataset_version=session.task.version, tokenizer_hash=session.tokenizer_hash,
+        tokenizer_dir=str(session.policy_dir), metrics=dict(metrics),
+    )
+
+
+def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -> RestoreReport:
+    """Put ``session`` exactly where it was when ``state`` was captured (see the module docstring)."""
+    learner = session.learner
+    if not isinstance(learner, CheckpointableLearner):
+        raise CheckpointError(f"learner backend {session.config.train.learner!r} cannot load a checkpoint",
+                              "resume with the learner the run was trained with")
+    learner.load_checkpoint_state(state.learner)
+    session.cursor.state = _cursor(state.cursor, len(session.cursor.records))
+    drift = shadow_drift(learner, state.shadow)
+    if not drift <= shadow_tolerance:
+        raise CheckpointError(
+            f"the shadow forward after restoring step {state.step} differs from the log-probs saved with it by "
+            f"{drift:.3g} > checkpoint.shadow_tolerance={shadow_tolerance:g}",
+            "the restored learner does not reproduce the saved policy; check the code version and device, or "
+            "raise checkpoint.shadow_tolerance if a different device explains the difference",
+        )
+    session.rollout.update_weights(learner.export_weights())  # before the first generation
+    notes = []
+    if state.rollout is not None:
+        if isinstance(session.rollout, StatefulRollout):
+            session.rollout.load_state(state.rollout)
+        else:
+            notes.append(f"rollout backend {session.config.rollout.backend!r} keeps no state; its sampler was "
+                         "not restored, so sampling will differ from an uninterrupted run")
+    restore_rng(state.rng)
+    return RestoreReport(shadow_max_abs_diff=drift, notes=tuple(notes))
+
+
+def compatibility_problems(state: CheckpointState, *, config: Mapping[str, Any] | None = None,
+                           dataset_version: str | None = None, tokenizer_hash: str | None = None) -> list[str]:
+    """Why resuming ``state`` with this config / data / tokenizer would not continue the same run.
+
+    Each argument left None is not checked. Config paths in RESUME_MUTABLE_PATHS
+    (total steps, logging, eval, retention) may change. The model's shape is
+    checked when the learner loads the weights.
+    """
+    problems = []
+    changes = config_changes(state.config, config, RESUME_MUTABLE_PATHS) if config is not None else []
+    if changes:
+        shown = ", ".join(f"{path}: {old!r} -> {new!r}" for path, old, new in changes[:6])
+        more = f" and {len(changes) - 6} more" if len(changes) > 6 else ""
+        problems.append(f"the config changed since checkpoint step {state.step}: {shown}{more}")
+    if dataset_version is not None and dataset_version != state.dataset_version:
+        problems.append(f"the dataset changed since checkpoint step {state.step}: its version was "
+                        f"{state.dataset_version}, the data now hashes to {dataset_version}")
+    if tokenizer_hash is not None and tokenizer_hash != state.tokenizer_hash:
+        problems.append(f"the tokenizer changed since checkpoint step {state.step}: hash {state.tokenizer_hash} "
+                        f"then, {tokenizer_hash} now")
+    return problems
+
+
+def shadow_batch(session: Session) -> TrainBatch:
+    """The fixed shadow batch: the first train prompts followed by their reference answers."""
+    import torch
+
+    tok = session.tokenizer
+    rows = []
+    for record in session.task.train[:SHADOW_PROMPTS]:
+        answer = list(tok(record.answer, add_special_tokens=False)["input_ids"])
+        rows.append((list(tok(record.text)["input_ids"]), answer + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
+    n, width = len(rows), max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((n, width), tok.pad_token_id, dtype=torch.long)  # [N, T]
+    attention = torch.zeros((n, width), dtype=torch.long)  # [N, T]
+    action = torch.zeros((n, width), dtype=torch.float32)  # [N, T]
+    for i, (prompt, answer) in enumerate(rows):
+        ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        attention[i, : len(prompt) + len(answer)] = 1
+        action[i, len(prompt): len(prompt) + len(answer)] = 1.0
+    return _train_batch(ids, attention, action, session.sampling)
+
+
+def shadow_drift(learner: Any, shadow: ShadowBatch) -> float:
+    """Max |log-prob now - log-prob at save time| over the shadow batch's answer tokens."""
+    batch = _train_batch(shadow.input_ids, shadow.attention_mask, shadow.action_mask, shadow.sampling)
+    mask = shadow.action_mask > 0
+    if not bool(mask.any()):
+        return 0.0
+    diff = float((learner.logprobs(batch).float() - shadow.logprobs)[mask].abs().max())
+    return diff if math.isfinite(diff) else math.inf
+
+
+def _train_batch(ids: Any, attention: Any, action: Any, sampling: Any) -> TrainBatch:
+    import torch
+
+    zeros = torch.zeros(ids.shape, dtype=torch.float32)  # [N, T]
+    n = int(ids.shape[0])
+    return TrainBatch(input_ids=ids, attention_mask=attention, action_mask=action, behavior_logprobs=zeros,
+                      advantages=zeros, sampling=sampling, trajectory_ids=tuple(f"shadow/{i}" for i in range(n)),
+                      policy_versions=(0,) * n)
+
+
+def _cursor(saved: Mapping[str, int], num_records: int) -> CursorState:
+    epoch, position = int(saved["epoch"]), int(saved["position"])
+    if epoch < 0 or not 0 <= position <= num_records:
+        raise CheckpointError(f"the saved data cursor (epoch {epoch}, position {position}) does not fit a train "
+                              f"split of {num_records} prompts", "the dataset changed; resume with the original data")
+    return CursorState(epoch=epoch, position=position)
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of this process (python, numpy, torch, CUDA if used), keyed by rank."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return {f"rank{_rank()}": state}
+
+
+def restore_rng(saved: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    key = f"rank{_rank()}"
+    if key not in saved:
+        raise CheckpointError(f"the checkpoint has no RNG state for {key} (it has {', '.join(sorted(saved))})",
+                              "resume with the world size the run was saved with")
+    state = saved[key]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,462 @@
+"""``rlctl dryrun``: validate a run without training it, ledger its memory, and check the ledger by measurement.
+
+What this is: ``dryrun()``, the library function behind the command:
+
+1. checks: the config (already validated on load), every plugin name and its
+   options, the task data (every split non-empty) and the tokenizer (special
+   tokens, prompt lengths measured with it);
+2. the memory ledger (rlctl.ops.memory) per placement and device, for the
+   config's model or a shape preset / config.json (``shape``), without
+   loading weights;
+3. a smoke step (two real sync steps of the config through rlctl.engine.loop;
+   the built-in model starts untrained when its warm start is not cached yet)
+   while a meter records the peak of live tensor bytes per phase: rollout,
+   train, sync. On CPU the meter is a TorchDispatchMode that counts every
+   tensor storage allocated and freed (what torch's CUDA allocator reports as
+   "allocated"); when the learner's model is on CUDA it reads
+   torch.cuda.max_memory_allocated per phase instead. The ledger of the smoke
+   run is then compared with the measurement: relative error per phase and at
+   the device peak.
+
+What this is not: the ledger arithmetic (rlctl.ops.memory), the planner
+(rlctl.ops.plan) or rendering (rlctl.cli.dryrun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+from rlctl.config.models import RunConfig
+from rlctl.contracts.errors import ConfigError
+from rlctl.hooks.manager import Plugins
+from rlctl.ops.memory import PHASES, DeviceLedger, Placement, Strategy, Workload, ledger
+from rlctl.ops.shapes import ModelShape, builtin_shape, from_hf_config, resolve_shape
+
+LEDGER_TOLERANCE = 0.25  # acceptance bound for |ledger - measured| / measured on the tiny model
+
+
+@dataclass(frozen=True, slots=True)
+class DryrunOptions:
+    devices: int = 1
+    device_memory_bytes: int | None = None  # None: host RAM on CPU
+    placements: tuple[str, ...] = ("colocate",)
+    shape: str | None = None  # preset name or config.json; None: the config's model
+    zero_stage: int | None = None  # None: from the learner (0 for the plain torch learner)
+    prompt_tokens: int | None = None  # None: measured from the train split with the run's tokenizer
+    headroom: float = 0.15
+    smoke: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseComparison:
+    phase: str
+    ledger_bytes: int
+    measured_bytes: int
+
+    @property
+    def error(self) -> float:
+        return (self.ledger_bytes - self.measured_bytes) / self.measured_bytes if self.measured_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SmokeResult:
+    steps: int
+    wall_s: float
+    meter: str  # "torch dispatch (live tensor bytes)" or "torch.cuda.max_memory_allocated"
+    untrained_policy: bool
+    phases: tuple[PhaseComparison, ...]
+    persistent: dict[str, tuple[int, int]]  # term -> (ledger, measured)
+    peak: PhaseComparison
+    rss_peak_bytes: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def within_tolerance(self) -> bool:
+        return abs(self.peak.error) <= LEDGER_TOLERANCE
+
+
+@dataclass(frozen=True, slots=True)
+class DryrunReport:
+    checks: tuple[Check, ...]
+    shape: ModelShape
+    workload: Workload
+    strategy: Strategy
+    placements: dict[str, list[DeviceLedger]]
+    smoke: SmokeResult | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> dict[str, bool]:
+        return {name: all(d.fits for d in devs) for name, devs in self.placements.items()}
+
+
+def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptions) -> DryrunReport:
+    """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
+    checks, task, tokenizer, prompt_max = validate(config, plugins, home)
+    shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
+    work = workload(config, options.prompt_tokens or prompt_max)
+    strat = strategy(config, options, shape, gpu=options.device_memory_bytes is not None)
+    capacity = options.device_memory_bytes or host_memory_bytes()
+    placements = {}
+    for text in options.placements:
+        try:
+            place = Placement.parse(text, options.devices)
+        except ValueError as err:
+            raise ConfigError(str(err), "use --placement colocate or split:4+4 (a comma list for both)") from None
+        placements[place.label] = ledger(shape, work, strat, place, capacity, options.headroom)
+    notes = [f"prompt tokens: {work.prompt_tokens} "
+             + ("(--prompt-tokens)" if options.prompt_tokens else "(longest train prompt, run's tokenizer)")]
+    smoke = None
+    if options.smoke:
+        if options.shape:
+            notes.append("smoke step runs the config's own model; the ledger above is for the --shape model")
+        smoke = smoke_step(config, plugins, home, task, options)
+    return DryrunReport(checks=tuple(checks), shape=shape, workload=work, strategy=strat, placements=placements,
+                        smoke=smoke, notes=tuple(notes))
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Check], Any, Any, int]:
+    """Plugins and options, task data, tokenizer; raises the first real error (as train would)."""
+    from rlctl.config.load import validate_options
+    from rlctl.engine.session import build_reward, load_task
+
+    checks = [Check("config", True, "schema and cross-field rules")]
+    for kind, name, opts, where in (
+        ("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options"),
+        ("learner_backend", config.train.learner, config.train.learner_options, "train.learner_options"),
+    ):
+        comp = plugins.get(kind, name)
+        validate_options(comp.options, opts, where)
+        checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
+    for sink in config.train.metric_sinks:
+        plugins.get("metric_sink", sink)
+    reward = build_reward(config, plugins)
+    checks.append(Check("reward", True, reward.version))
+    task = load_task(config, plugins)
+    sizes = {s: len(task.split(s)) for s in ("train", "dev", "hidden")}
+    checks.append(Check("data", True, f"task {task.name!r} version {task.version[:12]}; "
+                        + ", ".join(f"{k} {v}" for k, v in sizes.items())))
+    tokenizer, tok_detail = load_tokenizer(config, home)
+    lengths = [len(tokenizer(p.text)["input_ids"]) for p in task.train]
+    checks.append(Check("tokenizer", True, f"{tok_detail}; train prompts {min(lengths)}-{max(lengths)} tokens"))
+    return checks, task, tokenizer, max(lengths)
+
+
+def load_tokenizer(config: RunConfig, home: Path) -> tuple[Any, str]:
+    """The run's tokenizer without loading model weights."""
+    if config.model.builtin:
+        from rlctl.models.tokenizer import build_char_tokenizer
+
+        tok = build_char_tokenizer()
+        return tok, f"built-in char tokenizer, vocab {len(tok)}"
+    from transformers import AutoTokenizer
+
+    from rlctl.models.load import check_model_dir
+
+    root = check_model_dir(config.model.path)
+    tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"the tokenizer in {root} has no eos token", "set eos_token in tokenizer_config.json")
+    return tok, f"{type(tok).__name__} from {root}, vocab {len(tok)}"
+
+
+# -- ledger inputs -----------------------------------------------------------------------------
+
+
+def config_shape(config: RunConfig, tokenizer: Any) -> ModelShape:
+    if config.model.builtin:
+        return builtin_shape(config.model, len(tokenizer))
+    import json
+
+    path = Path(config.model.path).expanduser() / "config.json"
+    return from_hf_config(json.loads(path.read_text()), name=Path(config.model.path).name, source=str(path))
+
+
+def workload(config: RunConfig, prompt_tokens: int) -> Workload:
+    rows = config.algo.prompts_per_step * config.algo.group_size
+    chunk = int(config.rollout.options.get("max_batch_sequences", rows)) if config.rollout.backend == "local" else rows
+    return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
+                    prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
+                    micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
+                    rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0)
+
+
+def strategy(config: RunConfig, options: DryrunOptions, shape: ModelShape, gpu: bool) -> Strategy:
+    """Precision and sharding: the torch learner's options on CPU, mixed precision for GPU shapes."""
+    opts = config.train.learner_options
+    real_model = options.shape is not None or not config.model.builtin
+    dtype = opts.get("dtype", "bfloat16" if (gpu and real_model) else "float32")
+    b = 2 if dtype == "bfloat16" else 4
+    mixed = gpu and b == 2  # GPU learners keep fp32 master weights and fp32 Adam moments
+    stage = options.zero_stage if options.zero_stage is not None else int(opts.get("zero_stage", 0))
+    if not 0 <= stage <= 3:
+        raise ConfigError(f"--zero-stage must be 0..3, got {stage}", "use 3 for ZeRO-3 / FSDP full shard")
+    # on GPUs the rollout is modelled as a serving engine (bf16, layer-bucketed weight sync): rlctl's local
+    # engine is a CPU / small-model engine
+    engine = "local" if config.rollout.backend == "local" and not gpu else "serving"
+    return Strategy(param_bytes=b, master_weights=mixed, optim_state_bytes=8 if (mixed or b == 4) else 2 * b,
+                    zero_stage=stage, checkpointing=bool(opts.get("gradient_checkpointing", False)),
+                    rollout_bytes=2 if gpu and engine == "serving" else 4, engine=engine, gpu=gpu)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), 0 where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -- smoke step + measurement --------------------------------------------------------------------
+
+
+def smoke_config(config: RunConfig, task: Any, home: Path) -> tuple[RunConfig, bool]:
+    """Two steps, no eval or checkpoints; the built-in model untrained unless its warm start is cached."""
+    from rlctl.models.warm_start import warm_start_key
+
+    cfg = config.model_copy(deep=True)
+    cfg.train.steps, cfg.eval.at_end, cfg.checkpoint.every_steps = 2, False, 0
+    untrained = False
+    if cfg.model.builtin and cfg.model.warm_start.enabled:
+        key = warm_start_key(cfg.model, task, cfg.run.seed)
+        if not (home / "cache" / "warm_start" / key / "COMPLETE").is_file():
+            cfg.model.warm_start.enabled, untrained = False, True
+    return cfg, untrained
+
+
+def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, options: DryrunOptions) -> SmokeResult:
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.session import build_session
+
+    cfg, untrained = smoke_config(config, task, home)
+    session = build_session(cfg, plugins, cache_root=home / "cache", task=task)
+    meter = make_meter(session)
+    session.rollout = _Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
+    session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
+                                                       "ref_logprobs": "train"})
+    started = time.perf_counter()
+    try:
+        with meter:
+            metrics = run_sync(session, [])
+    finally:
+        session.rollout.close()
+    wall = time.perf_counter() - started
+    tokenizer_vocab = len(session.tokenizer)
+    shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
+    prompt_max = max(len(session.tokenizer(p.text)["input_ids"]) for p in task.train)
+    strat = strategy(cfg, replace(options, shape=None, zero_stage=0), shape, gpu=False)  # allocator bytes only
+    dev = ledger(shape, workload(cfg, prompt_max), strat, Placement("colocate", 1, 1, 1), host_memory_bytes(),
+                 advise=False)[0]
+    return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
+
+
+def compare(dev: DeviceLedger, meter: "_Meter", wall: float, untrained: bool, steps: int,
+            metrics: dict[str, float]) -> SmokeResult:
+    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks.get(p, 0)) for p in PHASES)
+    top = max(phases, key=lambda c: c.measured_bytes)
+    peak = PhaseComparison(f"peak ({top.phase})", dev.peak_bytes, top.measured_bytes)
+    persistent = {f"{t.role} {t.name}": t.bytes for t in dev.terms if t.phase == "persistent" and t.bytes}
+    measured = meter.persistent
+    return SmokeResult(steps=steps, wall_s=wall, meter=meter.kind, untrained_policy=untrained, phases=phases,
+                       persistent={k: (v, measured.get(k, 0)) for k, v in persistent.items()}, peak=peak,
+                       rss_peak_bytes=rss_peak_bytes(), metrics=metrics)
+
+
+class _Phased:
+    """Wraps a role so its verbs run inside a named meter phase; everything else passes through."""
+
+    def __init__(self, role: Any, meter: "_Meter", verbs: dict[str, str]) -> None:
+        self._role, self._meter, self._verbs = role, meter, verbs
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._role, name)
+        phase = self._verbs.get(name)
+        if phase is None or not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._meter.phase(phase):
+                return value(*args, **kwargs)
+
+        return call
+
+
+def make_meter(session: Any) -> "_Meter":
+    model = getattr(session.learner, "model", None)
+    device = next(model.parameters()).device.type if model is not None else "cpu"
+    return _CudaMeter(session) if device == "cuda" else _DispatchMeter(session)
+
+
+class _Meter:
+    kind = ""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.peaks: dict[str, int] = {}
+        self.persistent: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._begin()
+        try:
+            yield
+        finally:
+            self.peaks[name] = max(self.peaks.get(name, 0), self._end())
+            self.persistent = persistent_bytes(self.session)
+
+    def __enter__(self) -> "_Meter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> int:
+        raise NotImplementedError
+
+
+class _CudaMeter(_Meter):
+    kind = "torch.cuda.max_memory_allocated"
+
+    def _begin(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def _end(self) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+
+
+class _DispatchMeter(_Meter):
+    """Live bytes of CPU tensor storages: role state adopted at start, then every allocation and free."""
+
+    kind = "live tensor bytes (TorchDispatchMode)"
+
+    def __init__(self, session: Any) -> None:
+        super().__init__(session)
+        self.live = self.peak = 0
+        self._keys: set[int] = set()
+        self._mode: Any = None
+
+    def __enter__(self) -> "_DispatchMeter":
+        for tensor in role_tensors(self.session):
+            self._add(tensor)
+        self._mode = _live_mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def _begin(self) -> None:
+        self.peak = self.live
+
+    def _end(self) -> int:
+        return self.peak
+
+    def _add(self, tensor: Any) -> None:
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._keys or tensor.device.type != "cpu":
+            return
+        self._keys.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        if key in self._keys:
+            self._keys.discard(key)
+            self.live -= size
+
+
+def _live_mode(meter: _DispatchMeter) -> Any:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:
+                return out
+            inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                      if isinstance(a, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    meter._add(t)
+            return out
+
+    return LiveMode()
+
+
+def role_tensors(session: Any) -> list[Any]:
+    """Every tensor the roles hold: module parameters, buffers and grads, optimizer state."""
+    import torch
+
+    out = []
+    for role in (session.rollout, session.learner):
+        role = getattr(role, "_role", role)
+        for value in vars(role).values():
+            if isinstance(value, torch.nn.Module):
+                out += [t for t in value.parameters()] + [p.grad for p in value.parameters() if p.grad is not None]
+                out += list(value.buffers())
+            elif isinstance(value, torch.optim.Optimizer):
+                out += [t for state in value.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return out
+
+
+def persistent_bytes(session: Any) -> dict[str, int]:
+    """Measured sizes of the ledger's persistent terms (unique storages), named like the ledger's terms."""
+    import torch
+
+    def size(tensors: list[Any]) -> int:
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(seen.values())
+
+    rollout = getattr(session.rollout, "_role", session.rollout)
+    learner = getattr(session.learner, "_role", session.learner)
+    out = {}
+    if isinstance(getattr(rollout, "model", None), torch.nn.Module):
+        out["rollout weights"] = size(list(rollout.model.parameters()))
+    model = getattr(learner, "model", None)
+    if isinstance(model, torch.nn.Module):
+        out["policy parameters"] = size(list(model.parameters()))
+        out["policy gradients"] = size([p.grad for p in model.parameters() if p.grad is not None])
+    opt = getattr(learner, "optimizer", None)
+    if isinstance(opt, torch.optim.Optimizer):
+        out["policy optimizer states"] = size([t for st in opt.state.values() for t in st.values()
+                                               if isinstance(t, torch.Tensor) and t.dim() > 0])
+    ref = getattr(learner, "reference", None)
+    if isinstance(ref, torch.nn.Module):
+        out["reference parameters"] = size(list(ref.parameters()))
+    return out

@@ -1,0 +1,267 @@
+"""``rlctl profile``: where a step's time goes, from a short measured run or a run's stored metrics.
+
+What this is: ``profile_config()`` trains a config for a few steps through
+``rlctl.ops.train.train`` (a normal registry run, eval and checkpoints off by
+default) and times every step from outside the loop; ``profile_run()`` reads
+an existing run's per-step metrics from the registry. Both produce a
+``ProfileReport``: the per-step stage times the loop measures (T_r rollout,
+T_v reward, T_l learner incl. batch building and advantages, T_s weight sync),
+the measured wall time of each step and what the stages leave uncovered
+("other": metric logging, checkpoints), the critical path, pipeline
+utilisation U_pipe = device-busy time (T_r + T_l) / (devices x wall),
+generated / learned / effective tokens/s, and rollout latency P50/P95/P99.
+
+Placements: the run itself is measured on its placement (one process:
+colocated). ``compare`` adds a disaggregated ``split`` placement as an
+ESTIMATE derived from the measured stage times: the same hardware cut into a
+rollout pool and a learner pool (each stage runs at pool/total of the
+measured speed), run synchronously and one-step-off (rollout of step k+1
+overlaps learning on step k). Estimates are labelled as such everywhere.
+
+What this is not: a tracer of individual ops (use torch.profiler) or the
+chart renderer (``save_chart`` draws with matplotlib, imported lazily).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlctl.contracts.errors import ConfigError, RegistryError
+
+STAGES = ("T_r", "T_v", "T_l", "T_s")
+WALL_METRIC = "profile/step_wall_s"  # written by profile_config so `rlctl profile RUN` can show coverage later
+PROFILE_DEFAULTS = ("train.steps=5", "eval.at_end=false", "checkpoint.every_steps=0", "train.metric_sinks=[]")
+COVERAGE_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    step: int
+    stages: dict[str, float]
+    wall_s: float | None  # measured from outside the loop; None when the run did not record it
+    generated_tokens: float
+    learned_tokens: float
+    effective_tokens: float
+
+    @property
+    def stage_sum(self) -> float:
+        return sum(self.stages.values())
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementProfile:
+    placement: str
+    mode: str
+    measured: bool
+    stages: dict[str, float]  # mean seconds per step on this placement
+    step_s: float
+    critical_path: str
+    u_pipe: float
+    generated_tokens_per_s: float
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReport:
+    run_id: str
+    source: str
+    steps: tuple[StepTimes, ...]
+    placements: tuple[PlacementProfile, ...]
+    latency: dict[str, float]
+    chart: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def stage_totals(self) -> dict[str, float]:
+        return {k: sum(s.stages.get(k, 0.0) for s in self.steps) for k in STAGES}
+
+    @property
+    def wall_s(self) -> float | None:
+        walls = [s.wall_s for s in self.steps]
+        return None if any(w is None for w in walls) else float(sum(walls))  # type: ignore[arg-type]
+
+    @property
+    def coverage(self) -> float | None:
+        """Sum of stage times / measured wall time (1.0 = the stages explain every second)."""
+        wall = self.wall_s
+        return sum(self.stage_totals.values()) / wall if wall else None
+
+    @property
+    def tokens_per_s(self) -> dict[str, float]:
+        t = self.stage_totals
+        gen = sum(s.generated_tokens for s in self.steps)
+        wall = self.wall_s or sum(t.values())
+        return {"generated (per T_r)": gen / t["T_r"] if t["T_r"] else 0.0,
+                "learned (per T_l)": sum(s.learned_tokens for s in self.steps) / t["T_l"] if t["T_l"] else 0.0,
+                "effective (per T_r)": sum(s.effective_tokens for s in self.steps) / t["T_r"] if t["T_r"] else 0.0,
+                "generated end-to-end (per wall)": gen / wall if wall else 0.0}
+
+
+def profile_config(config: Any, *, registry: Any, plugins: Any, home: Path, compare: Sequence[str] = (),
+                   out: Path | None = None) -> ProfileReport:
+    """Train ``config`` (defaults: PROFILE_DEFAULTS, overridable) and profile every step it ran."""
+    from rlctl.ops.train import TrainCallbacks, train
+
+    marks: list[float] = []
+    result = train(config, registry=registry, plugins=plugins, home=home, callbacks=TrainCallbacks(
+        start=lambda first, total: marks.append(time.perf_counter()),
+        step=lambda step, metrics: marks.append(time.perf_counter())))
+    walls = [b - a for a, b in zip(marks, marks[1:])]
+    first = result.first_step
+    for i, wall in enumerate(walls):
+        registry.log_metrics(result.run.id, first + i, {WALL_METRIC: wall})
+    source = f"measured: {len(walls)} steps of {config.run.name!r} trained now (run {result.run.id})"
+    return build_report(result.run.id, source, registry, compare, out or Path(result.run.run_dir))
+
+
+def profile_run(run: str, *, registry: Any, compare: Sequence[str] = (), out: Path | None = None) -> ProfileReport:
+    record = registry.get_run(run)
+    source = f"registry metrics of run {record.id} ({record.status})"
+    return build_report(record.id, source, registry, compare, out or (Path(record.run_dir) if record.run_dir else None))
+
+
+def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str], out: Path | None) -> ProfileReport:
+    steps = read_steps(registry, run_id)
+    notes = []
+    if any(s.wall_s is None for s in steps):
+        notes.append("per-step wall time was not recorded for this run (only `rlctl profile CONFIG` records it); "
+                     "the stage sum stands in for the wall time and 'other' is unknown")
+    placements = [measured_placement(steps)]
+    for name in compare:
+        if name.startswith("split"):
+            placements += split_estimates(steps, name)
+        elif name != "colocate":
+            raise ConfigError(f"--compare takes colocate and split[:R+L], got {name!r}", "e.g. --compare colocate,split")
+    report = ProfileReport(run_id=run_id, source=source, steps=tuple(steps), placements=tuple(placements),
+                           latency=latency(steps), notes=tuple(notes))
+    if out is not None:
+        path = save_chart(report, out if out.suffix == ".png" else out / "profile.png")
+        report = replace(report, chart=str(path))
+    return report
+
+
+def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
+    names = [*STAGES, WALL_METRIC, "generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s"]
+    by_step: dict[int, dict[str, float]] = defaultdict(dict)
+    for point in registry.metrics(run_id, names=names):
+        by_step[point.step][point.name] = point.value
+    rows = [(step, m) for step, m in sorted(by_step.items()) if all(k in m for k in STAGES)]
+    if not rows:
+        raise RegistryError(f"run {run_id} has no per-step stage times (T_r, T_v, T_l, T_s)",
+                            "profile a run trained by this version of rlctl, or profile its CONFIG")
+    return [StepTimes(step=step, stages={k: m[k] for k in STAGES}, wall_s=m.get(WALL_METRIC),
+                      generated_tokens=m.get("generated_tokens_per_s", 0.0) * m["T_r"],
+                      learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
+                      effective_tokens=m.get("effective_tokens_per_s", 0.0) * m["T_r"]) for step, m in rows]
+
+
+def _mean_stages(steps: Sequence[StepTimes]) -> dict[str, float]:
+    return {k: statistics.fmean(s.stages[k] for s in steps) for k in STAGES}
+
+
+def measured_placement(steps: Sequence[StepTimes]) -> PlacementProfile:
+    st = _mean_stages(steps)
+    walls = [s.wall_s if s.wall_s is not None else s.stage_sum for s in steps]
+    step_s = statistics.fmean(walls)
+    other = max(0.0, step_s - sum(st.values()))
+    order = " -> ".join(f"{k} {st[k]:.3g}s" for k in STAGES) + (f" -> other {other:.3g}s" if other else "")
+    gen = statistics.fmean(s.generated_tokens for s in steps)
+    return PlacementProfile(placement="colocate", mode="sync", measured=True, stages=st, step_s=step_s,
+                            critical_path=f"{order} (serial; bottleneck {max(st, key=st.get)})",
+                            u_pipe=(st["T_r"] + st["T_l"]) / step_s, generated_tokens_per_s=gen / step_s)
+
+
+def split_estimates(steps: Sequence[StepTimes], name: str) -> list[PlacementProfile]:
+    """Rollout and learner on separate pools of the same hardware: sync and one-step-off (ESTIMATES)."""
+    rollout_share, learner_share = _split_shares(name)
+    st = _mean_stages(steps)
+    t_r, t_l = st["T_r"] / rollout_share, st["T_l"] / learner_share
+    gen = statistics.fmean(s.generated_tokens for s in steps)
+    label = name if ":" in name else "split:1+1"
+    scaled = {"T_r": t_r, "T_v": st["T_v"], "T_l": t_l, "T_s": st["T_s"]}
+    out = []
+    for mode, step_s, path in (
+        ("sync", t_r + st["T_v"] + t_l + st["T_s"], "T_r -> T_v -> T_l -> T_s (serial; each pool idles half)"),
+        ("one-step-off", max(t_r + st["T_v"], t_l) + st["T_s"],
+         f"max(T_r+T_v {t_r + st['T_v']:.3g}s, T_l {t_l:.3g}s) -> T_s "
+         f"(bottleneck {'rollout' if t_r + st['T_v'] >= t_l else 'learner'})"),
+    ):
+        busy = t_r * rollout_share + t_l * learner_share
+        out.append(PlacementProfile(placement=label, mode=mode, measured=False, stages=scaled, step_s=step_s,
+                                    critical_path=path, u_pipe=busy / step_s, generated_tokens_per_s=gen / step_s,
+                                    note=f"ESTIMATE from measured stage times: rollout pool {rollout_share:.0%} / "
+                                    f"learner pool {learner_share:.0%} of the hardware, linear scaling"))
+    return out
+
+
+def _split_shares(name: str) -> tuple[float, float]:
+    _, _, spec = name.partition(":")
+    if not spec:
+        return 0.5, 0.5
+    a, _, b = spec.partition("+")
+    if not (a.isdigit() and b.isdigit()) or int(a) < 1 or int(b) < 1:
+        raise ConfigError(f"--compare {name!r}: write split or split:R+L", "e.g. --compare colocate,split:4+4")
+    return int(a) / (int(a) + int(b)), int(b) / (int(a) + int(b))
+
+
+def latency(steps: Sequence[StepTimes]) -> dict[str, float]:
+    """Rollout latency percentiles: a step's requests are batched, so each sample's latency is its step's T_r."""
+    values = sorted(s.stages["T_r"] for s in steps)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"p50_s": pick(0.5), "p95_s": pick(0.95), "p99_s": pick(0.99)}
+
+
+def save_chart(report: ProfileReport, path: Path) -> Path:
+    """PNG timeline: one lane per pool and placement, one coloured bar per stage and step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"T_r": "#4c72b0", "T_v": "#dd8452", "T_l": "#55a868", "T_s": "#c44e52", "other": "#bbbbbb"}
+    lanes = _lanes(report)
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.55 * len(lanes)))
+    for y, (label, bars) in enumerate(lanes):
+        for start, width, stage in bars:
+            ax.barh(y, width, left=start, color=colors[stage], edgecolor="white", linewidth=0.4)
+    ax.set_yticks(range(len(lanes)), [label for label, _ in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"rlctl profile {report.run_id}: stage timeline ('est.' lanes are estimates, not measured)",
+                 fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(lanes)),
+              frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _lanes(report: ProfileReport) -> list[tuple[str, list[tuple[float, float, str]]]]:
+    bars, t = [], 0.0
+    for s in report.steps:
+        for k in STAGES:
+            bars.append((t, s.stages[k], k))
+            t += s.stages[k]
+        if s.wall_s is not None and s.wall_s > s.stage_sum:
+            bars.append((t, s.wall_s - s.stage_sum, "other"))
+            t += s.wall_s - s.stage_sum
+    lanes = [("colocate (measured)", bars)]
+    for p in report.placements:
+        if p.measured:
+            continue
+        roll, learn, t = [], [], 0.0
+        for _ in report.steps:
+            roll += [(t, p.stages["T_r"], "T_r"), (t + p.stages["T_r"], p.stages["T_v"], "T_v")]
+            l_start = t if p.mode == "one-step-off" else t + p.stages["T_r"] + p.stages["T_v"]
+            learn += [(l_start, p.stages["T_l"], "T_l"), (t + p.step_s - p.stages["T_s"], p.stages["T_s"], "T_s")]
+            t += p.step_s
+        lanes += [(f"{p.placement} {p.mode} rollout (est.)", roll), (f"{p.placement} {p.mode} learner (est.)", learn)]
+    return lanes

@@ -1,0 +1,300 @@
+"""`rlctl serve rollout` in another process, driven through the sglang rollout plugin over HTTP (127.0.0.1 only).
+
+What these check: the SGLang response shape and request batching; behaviour
+logprobs from the server == learner logprobs (<= 1e-4, fp32); weight updates
+through the disk publisher end with the server's fingerprint equal to the
+learner's; corrupt and uncommitted versions are refused while the previous
+version keeps serving; a restarted server is resynced before it serves; an
+outage pauses the weight sync until the server is back, or fails clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlctl.config.load import load_config
+from rlctl.contracts.errors import RoleError
+from rlctl.contracts.types import RolloutRequest
+from tests.conftest import TINY_OVERRIDES
+from tests.integration.test_cli import REPO, rlctl
+
+
+class Served:
+    """One `rlctl serve rollout` subprocess; always stopped by the test that started it."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, port: int = 0) -> None:
+        self.log = open(log_dir / f"serve-{time.monotonic_ns()}.log", "w+")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlctl.cli.app", "serve", "rollout", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(port), "--batch-wait-ms", "30"],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
+        self.url = self._wait_ready(timeout_s=120)
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if "listening on" in line:
+                    return line.split("listening on ", 1)[1].split()[0]
+                if not line and self.proc.poll() is not None:
+                    break
+        self.stop()
+        self.log.seek(0)
+        raise AssertionError(f"rlctl serve rollout did not start:\n{self.log.read()[-3000:]}")
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_policy_dir, tmp_path_factory):
+    served = Served(tiny_policy_dir, tmp_path_factory.mktemp("serve"))
+    yield served
+    served.stop()
+
+
+def _session(plugins, home: Path, url: str, tmp_path: Path, extra=(), **options):
+    from rlctl.engine.session import build_session
+
+    opts = {"servers": [url], "publish_dir": str(tmp_path / "pub"), "retries": 2, "retry_backoff_s": 0.2, **options}
+    cfg = load_config(None, [*TINY_OVERRIDES, *extra, "rollout.backend=sglang", f"rollout.options={json.dumps(opts)}"])
+    return build_session(cfg, plugins, home / "cache")
+
+
+def _batch(session, advantages=None):
+    from rlctl.engine.batching import build_batch
+
+    requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(session.tokenizer(p.text)["input_ids"]),
+                               group_size=4, sampling=session.sampling, dataset_version=session.task.version)
+                for p in session.task.train[:4]]
+    trajectories = session.rollout.generate(requests)
+    adv = advantages if advantages is not None else [0.0] * len(trajectories)
+    return trajectories, build_batch(trajectories, adv, session.tokenizer.pad_token_id, session.sampling)
+
+
+def _mismatch(session, batch) -> float:
+    learner = session.learner.logprobs(batch)  # [N, T]
+    mask = batch.action_mask > 0
+    assert int(mask.sum()) > 0
+    return float((learner - batch.behavior_logprobs)[mask].abs().max())
+
+
+def test_generate_speaks_sglang_and_batches_concurrent_requests(server):
+    before = server.get("/get_server_info")["rlctl"]
+    results: list[tuple[int, dict]] = []
+    body = {"input_ids": [[1, 20, 21], [1, 22, 23, 24]], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 1.0}}
+    threads = [threading.Thread(target=lambda: results.append(server.post("/generate", body))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [status for status, _ in results] == [200] * 6
+    item = results[0][1][0]
+    assert set(item) == {"text", "output_ids", "meta_info"}
+    meta = item["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == item["output_ids"]
+    assert all(e[0] <= 0 and e[2] is None for e in meta["output_token_logprobs"])
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] == 3
+    after = server.get("/get_server_info")["rlctl"]
+    assert after["requests"] - before["requests"] == 6
+    assert after["batches"] - before["batches"] < 6 and after["largest_batch_requests"] >= 2
+    status, error = server.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
+    assert status == 400 and "unknown field `max_tokens`" in error["error"]
+
+
+@pytest.mark.parametrize("sampling", [
+    [],
+    ["rollout.temperature=0.7", "rollout.top_k=8", "rollout.top_p=0.9"],
+])
+def test_served_behaviour_logprobs_match_the_learner(plugins, _rlctl_home, tiny_policy_dir, server, tmp_path,
+                                                      sampling):
+    session = _session(plugins, _rlctl_home, server.url, tmp_path, sampling)
+    try:
+        trajectories, batch = _batch(session)
+        assert all(t.verify() and t.policy_version == 0 for t in trajectories)
+        assert _mismatch(session, batch) <= 1e-4
+    finally:
+        session.rollout.close()
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_weight_update_through_disk_matches_the_learner(plugins, _rlctl_home, tiny_policy_dir, server, tmp_path,
+                                                        delta):
+    session = _session(plugins, _rlctl_home, server.url, tmp_path, ["train.optim.lr=1e-3"], delta=delta)
+    try:
+        for version in (1, 2):
+            _, batch = _batch(session, advantages=[1.0, -1.0] * 8)
+            session.learner.train_step(batch)
+            update = session.learner.export_weights()
+            session.rollout.update_weights(update)
+            info = server.get("/get_model_info")
+            assert info["weight_version"] == str(version) and info["rlctl"]["fingerprint"] == update.fingerprint
+            assert session.rollout.last_publish.delta == (delta and version == 2)
+            trajectories, batch = _batch(session)
+            assert {t.policy_version for t in trajectories} == {version}
+            assert _mismatch(session, batch) <= 1e-4
+    finally:
+        session.rollout.close()
+
+
+def test_corrupt_or_uncommitted_versions_are_refused_and_the_old_one_keeps_serving(plugins, _rlctl_home,
+                                                                                   tiny_policy_dir, server,
+                                                                                   tmp_path):
+    import shutil
+
+    from rlctl.engine.transports.disk import DiskTransport
+    from rlctl.engine.weight_sync import Broadcaster
+
+    session = _session(plugins, _rlctl_home, server.url, tmp_path)
+    try:
+        serving = server.get("/get_model_info")
+        report = Broadcaster(DiskTransport(tmp_path / "other")).publish(session.learner.export_weights())
+        partial = tmp_path / "other" / "v00000007-full"
+        shutil.copytree(report.location, partial)
+        (partial / "manifest.json").unlink()
+        status, answer = server.post("/update_weights_from_disk", {"model_path": str(partial), "weight_version": "7"})
+        assert status == 400 and not answer["success"] and "no committed weight version" in answer["message"]
+        shard = Path(report.location) / report.manifest.shards[0].path
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        status, answer = server.post("/update_weights_from_disk", {"model_path": report.location,
+                                                                   "weight_version": "8"})
+        assert status == 400 and shard.name in answer["message"] and "sha256" in answer["message"]
+        assert server.get("/get_model_info") == serving
+    finally:
+        session.rollout.close()
+
+
+@pytest.mark.parametrize("encoding", ["raw", "bf16"])
+def test_a_full_published_version_is_a_plain_model_directory(plugins, _rlctl_home, tiny_policy_dir, tmp_path,
+                                                             encoding):
+    """What SGLang's update_weights_from_disk loads: checked with transformers (SGLang itself is not run)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.contracts.types import WeightUpdate
+    from rlctl.engine.transports.disk import DiskTransport
+    from rlctl.engine.weight_sync import Broadcaster, SyncOptions
+    from rlctl.models.fingerprint import fingerprint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir, local_files_only=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    transport = DiskTransport(tmp_path, extra_files=[Path(tiny_policy_dir) / "config.json"])
+    report = Broadcaster(transport, SyncOptions(encoding=encoding, bucket_bytes=16 << 10)).publish(
+        WeightUpdate(version=1, state_dict=state, fingerprint=fingerprint(state)))
+    assert report.num_shards > 1
+    loaded = AutoModelForCausalLM.from_pretrained(report.location, local_files_only=True, dtype=torch.float32)
+    tolerance = 0.0 if encoding == "raw" else 2.0 ** -8
+    for name, value in loaded.state_dict().items():
+        assert bool(((value - state[name]).abs() <= state[name].abs() * tolerance).all()), name
+
+
+def test_restarted_server_is_resynced_before_it_serves(plugins, _rlctl_home, tiny_policy_dir, tmp_path):
+    served = Served(tiny_policy_dir, tmp_path)
+    try:
+        session = _session(plugins, _rlctl_home, served.url, tmp_path, ["train.optim.lr=1e-3"], delta=True)
+        for _ in range(2):  # version 2 goes out as a delta against version 1
+            _, batch = _batch(session, advantages=[1.0, -1.0] * 8)
+            session.learner.train_step(batch)
+            update = session.learner.export_weights()
+            session.rollout.update_weights(update)
+        assert session.rollout.last_publish.delta
+        served.stop()
+        served = Served(tiny_policy_dir, tmp_path, port=served.port)  # comes back with its start weights
+        assert served.get("/get_model_info")["weight_version"] == "default"
+        trajectories, batch = _batch(session)  # the delta cannot apply there: a full copy is published and sent
+        assert {t.policy_version for t in trajectories} == {2}
+        assert not session.rollout.last_publish.delta and session.rollout.last_publish.version == 2
+        assert served.get("/get_model_info")["rlctl"]["fingerprint"] == update.fingerprint
+        assert _mismatch(session, batch) <= 1e-4
+        session.rollout.close()
+    finally:
+        served.stop()
+
+
+def test_weight_sync_waits_for_a_server_outage_and_fails_clearly_past_the_bound(plugins, _rlctl_home,
+                                                                                 tiny_policy_dir, tmp_path):
+    served = Served(tiny_policy_dir, tmp_path)
+    try:
+        session = _session(plugins, _rlctl_home, served.url, tmp_path, ["train.optim.lr=1e-3"], retries=6,
+                           retry_backoff_s=0.5)
+        _, batch = _batch(session, advantages=[1.0, -1.0] * 8)
+        session.learner.train_step(batch)
+        port = served.port
+        served.stop()
+        box: dict[str, Served] = {}
+        restarter = threading.Timer(1.0, lambda: box.setdefault("s", Served(tiny_policy_dir, tmp_path, port=port)))
+        restarter.start()
+        started = time.monotonic()
+        update = session.learner.export_weights()
+        session.rollout.update_weights(update)  # blocks (the learner is paused) until the server confirms
+        restarter.join()
+        served = box["s"]
+        assert time.monotonic() - started > 1.0
+        assert served.get("/get_model_info")["rlctl"]["fingerprint"] == update.fingerprint
+
+        session.rollout.options.retries = 1  # now an outage that outlasts the bound
+        served.stop()
+        session.learner.train_step(batch)
+        started = time.monotonic()
+        with pytest.raises(RoleError, match=rf"weight version 2 on {served.url} not confirmed after 2 tries"):
+            session.rollout.update_weights(session.learner.export_weights())
+        assert time.monotonic() - started < 10
+        session.rollout.close()
+    finally:
+        served.stop()
+
+
+@pytest.mark.slow
+def test_quickstart_trains_end_to_end_against_a_served_engine(server, tmp_path, _rlctl_home):
+    home = tmp_path
+    if (_rlctl_home / "cache").exists():
+        (home / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    options = json.dumps({"servers": [server.url], "publish_dir": str(tmp_path / "pub")})
+    proc = rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "rollout.backend=sglang",
+                 f"rollout.options={options}", "--json", home=home, check=True)
+    out = json.loads(proc.stdout)
+    assert out["run"]["status"] == "succeeded"
+    assert out["last_metrics"]["logprob_mismatch_max"] <= 1e-4
+    assert out["eval"]["num_prompts"] == 20
+    info = server.get("/get_model_info")  # eval loaded the final policy last
+    assert info["weight_version"] == "0"
