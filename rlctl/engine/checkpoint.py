@@ -68,6 +68,7 @@ from rlctl.contracts.types import (
     ShadowBatch,
 )
 from rlctl.engine import state_codec
+from rlctl.engine.durable import fsync_path
 from rlctl.engine.faults import crash_point
 
 COMMITTED = "COMMITTED"
@@ -187,7 +188,7 @@ class DiskCheckpointStore:
                 self._check_abort()
                 files.append(_write_file(target, rel, data))
             for directory in (target / "model", target, self.root):
-                _fsync_dir(directory)
+                fsync_path(directory)
             manifest = CheckpointManifest(
                 run_id=state.run_id, step=state.step, policy_version=state.learner.policy_version,
                 created_at=time.time(), config_hash=state.config_hash, code_version=state.code_version,
@@ -200,8 +201,8 @@ class DiskCheckpointStore:
             os.rename(target / _TMP_MANIFEST, target / COMMITTED)
             committed = True
             crash_point("ckpt.renamed")
-            _fsync_dir(target)
-            _fsync_dir(self.root)
+            fsync_path(target)
+            fsync_path(self.root)
             crash_point("ckpt.dir_synced")
         except BaseException:
             if not committed:
@@ -251,7 +252,7 @@ class DiskCheckpointStore:
 
     def _delete(self, path: Path, manifest: CheckpointManifest) -> None:
         (path / COMMITTED).unlink()  # first: from here on no reader sees this checkpoint
-        _fsync_dir(path)
+        fsync_path(path)
         crash_point("ckpt.retention_unlinked", path.name)
         self._notify(self.on_delete, path, manifest, "remove")
         doomed = sorted((p for p in path.rglob("*") if p.is_file()), reverse=True)
@@ -260,7 +261,7 @@ class DiskCheckpointStore:
             if i == 0:
                 crash_point("ckpt.retention_partial", path.name)
         shutil.rmtree(path)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
 
     def cleanup_partial(self) -> list[str]:
         """Remove step directories without a committed manifest (left by a killed save or deletion)."""
@@ -270,7 +271,7 @@ class DiskCheckpointStore:
                 shutil.rmtree(path)
                 removed.append(path.name)
         if removed:
-            _fsync_dir(self.root)
+            fsync_path(self.root)
         return removed
 
     # -- reading -----------------------------------------------------------------
@@ -329,7 +330,7 @@ class DiskCheckpointStore:
         target = self.root / "corrupt" / f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
         target.parent.mkdir(exist_ok=True)
         os.rename(path, target)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         return target
 
 
@@ -400,11 +401,11 @@ def export_hf(path: str | Path, target: str | Path) -> Path:
                 if hashlib.sha256(data).hexdigest() != f.sha256:
                     raise CheckpointError(f"{f.path} changed while exporting", "retry the export")
                 _write_bytes(tmp / f.path[len("model/"):], data)
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if target.exists():
             target.rmdir()
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -519,13 +520,6 @@ def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view):]
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:

@@ -45,7 +45,6 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
     """Greedy-decode ``records`` with the policy in ``policy_dir`` and grade each answer."""
     from transformers import AutoTokenizer
 
-    from rlctl.engine.session import build_reward
     from rlctl.models.tokenizer import tokenizer_hash
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)

@@ -40,6 +40,7 @@ from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightManifest, WeightShard
 from rlctl.engine.transports import load_blob, safetensors_parts
 from rlctl.engine.weight_codec import ShardDraft, manifest_from_dict, manifest_to_dict
+from rlctl.engine.durable import fsync_path
 
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{8})-(full|delta)$")
@@ -96,14 +97,6 @@ def _sha256_parts(parts: list[memoryview]) -> str:
         digest.update(part)
     return digest.hexdigest()
 
-
-def _fsync(path: Path) -> None:
-    """fsync a file's data or a directory's entries (Linux flushes the inode through any descriptor)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DiskTransport:
@@ -162,7 +155,7 @@ class DiskTransport:
             digests = [hasher.submit(_sha256_parts, p) for p in parts]
             sizes = [self._write_shard(target / name, shard, p) for name, shard, p in zip(names, shards, parts)]
             for name in names:
-                _fsync(target / name)
+                fsync_path(target / name)
             return [WeightShard(path=name, sha256=digest.result(), num_bytes=size, tensors=shard.tensors)
                     for name, digest, size, shard in zip(names, digests, sizes, shards)]
 
@@ -185,8 +178,8 @@ class DiskTransport:
         tmp = target / (MANIFEST + ".tmp")
         self._write_synced(tmp, json.dumps(manifest_to_dict(manifest), indent=1).encode())
         os.replace(tmp, target / MANIFEST)
-        _fsync(target)
-        _fsync(self.root)
+        fsync_path(target)
+        fsync_path(self.root)
 
     @staticmethod
     def _write_synced(path: Path, data: bytes) -> None:
@@ -213,7 +206,7 @@ class DiskTransport:
         committed = sorted(self._version_dirs(committed=True), key=lambda p: p.name)
         for old in committed[: max(0, len(committed) - self.keep_versions)]:
             (old / MANIFEST).unlink()  # not loadable from here on, even if the delete is cut short
-            _fsync(old)
+            fsync_path(old)
             shutil.rmtree(old)
 
     def _version_dirs(self, committed: bool) -> list[Path]:
