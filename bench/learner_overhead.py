@@ -97,8 +97,6 @@ def minimal_step(model: Any, opt: Any, batch: Any, eps: float = 0.2) -> float:
 def shared_prompt_step(model: Any, opt: Any, trajectories: list[Any], group: int, pad_id: int,
                        eps: float = 0.2) -> float:
     """Estimate: each prompt forwarded once (with grad), its KV cache expanded to the G responses."""
-    from transformers import DynamicCache
-
     prompts = [t.prompt_tokens for t in trajectories[::group]]
     width = max(len(p) for p in prompts)
     p_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

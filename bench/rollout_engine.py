@@ -11,9 +11,9 @@ temperature 1, top-p 1, top-k off, fp32, one thread.
    path); ``rlctl HF path`` = the same sampler through the model's own forward (``fast=False``);
    ``generate`` = ``model.generate(do_sample=True)`` (transformers 5.24). tokens/s = rows x new tokens / time.
 2. Long responses with natural EOS (``--long-tokens`` max new tokens, B x G = 4 x 4 and 16 x 8 rows, an
-   untrained model so lengths spread over the whole range): the full ``LocalEngine.generate`` (Trajectory records included)
-   vs ``model.generate``; tokens/s counts real tokens only (up to and including EOS), so padding work after
-   a row finished is waste for whoever does it.
+   untrained model so lengths spread over the whole range): the full ``LocalEngine.generate`` (Trajectory
+   records included) vs ``model.generate``; tokens/s counts real tokens only (up to and including EOS), so
+   padding work after a row finished is waste for whoever does it.
 
 Roofline: ``GEMM GFLOP/s`` is the median fp32 throughput of a 1024 x 1024 x 1024 ``torch.mm`` measured in the
 same run; the roofline for the model is that divided by its FLOPs per generated token (2 x matmul parameters

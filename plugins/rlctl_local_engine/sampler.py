@@ -1,6 +1,6 @@
 """Batched autoregressive sampling with a KV cache on torch.
 
-What this is: one function, ``sample``, that expands each prompt G times,
+What this is: one function, ``sample``, that takes one row per sample (a prompt repeated G times),
 left-pads, runs one prefill and then one cached decode step per new token,
 and records each sampled token's log-probability under the distribution it
 was actually drawn from (``rlctl.algo.sampling``: temperature, top-k, top-p).

@@ -136,7 +136,8 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
         if name.startswith("split"):
             placements += split_estimates(steps, name)
         elif name != "colocate":
-            raise ConfigError(f"--compare takes colocate and split[:R+L], got {name!r}", "e.g. --compare colocate,split")
+            raise ConfigError(f"--compare takes colocate and split[:R+L], got {name!r}",
+                              "e.g. --compare colocate,split")
     report = ProfileReport(run_id=run_id, source=source, steps=tuple(steps), placements=tuple(placements),
                            latency=latency(steps), notes=tuple(notes))
     if out is not None:

@@ -96,8 +96,8 @@ def from_hf_config(cfg: Mapping[str, Any], name: str, source: str) -> ModelShape
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), source=source,
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise ModelError(f"{source} lacks a dense-decoder field the ledger needs ({err})",
-                         "the ledger supports Llama/Qwen2-style config.json files; pass --shape 7b for a preset") from None
+        hint = "the ledger reads Llama/Qwen2-style config.json files; or pass --shape 7b (a preset)"
+        raise ModelError(f"{source} lacks a dense-decoder field the ledger needs ({err})", hint) from None
 
 
 def resolve_shape(spec: str) -> ModelShape:

@@ -42,12 +42,15 @@ def test_dryrun_tiny_table_output(home):
 
 
 def test_dryrun_7b_shape_on_8x80_per_placement(home):
-    proc = rlctl("dryrun", "configs/quickstart.yaml", "rollout.max_tokens=1024", "--prompt-tokens", "512",
-                 "--shape", "7b", "--gpus", "8", "--gpu-mem", "80GiB", "--zero-stage", "3",
-                 "--placement", "colocate,split:4+4", "--no-smoke", "--json", home=home, check=True)
-    out = json.loads(proc.stdout)
+    recipe = ["rollout.max_tokens=1024", "algo.micro_batch_size=1", "train.learner_options.gradient_checkpointing=true",
+              "--prompt-tokens", "512", "--shape", "7b", "--gpus", "8", "--gpu-mem", "80GiB", "--zero-stage", "3",
+              "--placement", "colocate,split:4+4", "--no-smoke"]
+    out = json.loads(rlctl("dryrun", "configs/quickstart.yaml", *recipe, "--json", home=home, check=True).stdout)
     assert out["num_params"] > 7e9 and out["smoke"] is None
-    assert set(out["fits"]) == {"colocate", "split:4+4"}
+    assert out["fits"] == {"colocate": True, "split:4+4": True}
+    unsharded = [a if a != "3" else "0" for a in recipe]
+    out0 = json.loads(rlctl("dryrun", "configs/quickstart.yaml", *unsharded, "--json", home=home, check=True).stdout)
+    assert out0["fits"] == {"colocate": False, "split:4+4": False}
     assert [d["device"] for d in out["placements"]["split:4+4"]] == ["rollout", "learner"]
     terms = {t["name"] for t in out["placements"]["colocate"][0]["terms"]}
     assert {"parameters", "optimizer states", "KV cache", "activations", "communication buffers"} <= terms

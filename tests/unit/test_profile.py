@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl.ops.profile import (
-    WALL_METRIC,
-    latency,
-    measured_placement,
-    profile_run,
-    split_estimates,
-    StepTimes,
-)
+from rlctl.ops.profile import WALL_METRIC, StepTimes, latency, measured_placement, profile_run, split_estimates
 
 
 def _step(step, r, v, l, s, wall=None, gen=100.0):
