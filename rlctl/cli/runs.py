@@ -20,8 +20,11 @@ def _when(ts: float) -> str:
 @app.command("list")
 def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[str] = typer.Option(None, "--status"),
               registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """List runs, newest first."""
+    """List runs, newest first (runs whose process died are marked interrupted/failed first)."""
+    from rlctl.ops.reconcile import reconcile_stale_runs
+
     with open_registry(registry) as reg:
+        reconcile_stale_runs(reg)
         runs = reg.list_runs(limit=limit, status=status)
     if json_out:
         _output.print_json({"runs": runs})
@@ -37,7 +40,10 @@ def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[
 def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Show one run: provenance, config, last metrics, evals, checkpoints and events."""
+    from rlctl.ops.reconcile import reconcile_stale_runs
+
     with open_registry(registry) as reg:
+        reconcile_stale_runs(reg)
         rec = reg.get_run(run)
         last = reg.last_metrics(rec.id)
         evals = reg.evals(rec.id)
