@@ -69,3 +69,34 @@ def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
                                             [(c.step, _when(c.created_at), c.path) for c in checkpoints]))
     _output.console.print(_output.table("events", ["when", "kind", "message"],
                                         [(_when(e.created_at), e.kind, e.message) for e in events[-10:]]))
+
+
+@app.command("compare")
+def compare(run_a: str = typer.Argument(..., help="First run id (or prefix)."),
+            run_b: str = typer.Argument(..., help="Second run id (or prefix)."),
+            registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
+    """Compare two runs: config differences, provenance, last metrics and latest evals side by side."""
+    from rlctl.config.load import config_changes
+
+    with open_registry(registry) as reg:
+        a, b = reg.get_run(run_a), reg.get_run(run_b)
+        last_a, last_b = reg.last_metrics(a.id), reg.last_metrics(b.id)
+        eval_a, eval_b = (reg.evals(a.id) or [None])[-1], (reg.evals(b.id) or [None])[-1]
+    config_diff = config_changes(a.config, b.config)
+    provenance = [(k, getattr(a, k), getattr(b, k)) for k in
+                  ("status", "config_hash", "code_version", "dataset_version", "tokenizer_hash", "seed")]
+    metrics = [(k, last_a[k][1], last_b[k][1]) for k in sorted(set(last_a) & set(last_b))]
+    if json_out:
+        _output.print_json({"runs": [a.id, b.id],
+                            "config_diff": [{"key": k, "a": x, "b": y} for k, x, y in config_diff],
+                            "provenance": {k: {"a": x, "b": y} for k, x, y in provenance},
+                            "last_metrics": {k: {"a": x, "b": y} for k, x, y in metrics},
+                            "evals": {"a": eval_a, "b": eval_b}})
+        return
+    cols = ["", a.id, b.id]
+    _output.console.print(_output.table("config differences", cols, config_diff or [("(none)", "", "")]))
+    _output.console.print(_output.table("provenance", cols, provenance))
+    _output.console.print(_output.table("last metrics", cols, metrics))
+    evals = [(f"{e.split} pass@1 start -> final", f"{e.baseline_pass_at_1:.3f} -> {e.candidate_pass_at_1:.3f}")
+             if e else ("eval", "none") for e in (eval_a, eval_b)]
+    _output.console.print(_output.table("latest eval", cols, [(evals[0][0], evals[0][1], evals[1][1])]))

@@ -83,3 +83,17 @@ def test_third_party_plugin_installed_from_a_directory_is_used_in_a_run(home, tm
         assert "reward/length_is" in shown["last_metrics"]
     finally:
         os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+
+
+def test_runs_compare_shows_config_diff_and_metrics(home):
+    first = json.loads(rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "eval.at_end=false", "--json",
+                             home=home, check=True).stdout)["run"]["id"]
+    second = json.loads(rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "eval.at_end=false",
+                              "train.optim.lr=1e-3", "--json", home=home, check=True).stdout)["run"]["id"]
+    out = json.loads(rlctl("runs", "compare", first, second, "--json", home=home, check=True).stdout)
+    assert out["runs"] == [first, second]
+    assert {"key": "train.optim.lr", "a": 3e-5, "b": 1e-3} in out["config_diff"]
+    assert out["provenance"]["config_hash"]["a"] != out["provenance"]["config_hash"]["b"]
+    assert "reward_mean" in out["last_metrics"]
+    table = rlctl("runs", "compare", first, second, home=home, check=True).stdout
+    assert "train.optim.lr" in table
