@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rlctl.config.load import load_config
-from rlctl.contracts.types import RolloutRequest
 from tests.conftest import TINY_OVERRIDES
+from tests.helpers import rollout_batch
 
 
 def _session(plugins, tmp_home, extra):
@@ -16,16 +16,7 @@ def _session(plugins, tmp_home, extra):
     return build_session(cfg, plugins, tmp_home / "cache")
 
 
-def _rollout_batch(session, advantages=None):
-    from rlctl.engine.batching import build_batch
-
-    prompts = session.task.train[:4]
-    requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(session.tokenizer(p.text)["input_ids"]),
-                               group_size=4, sampling=session.sampling, dataset_version=session.task.version)
-                for p in prompts]
-    trajectories = session.rollout.generate(requests)
-    adv = advantages if advantages is not None else [0.0] * len(trajectories)
-    return trajectories, build_batch(trajectories, adv, session.tokenizer.pad_token_id, session.sampling)
+_rollout_batch = rollout_batch
 
 
 @pytest.mark.parametrize("sampling", [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rlctl.config.load import load_config
-from rlctl.contracts.types import RolloutRequest
+from tests.helpers import rollout_batch
 from tests.conftest import TINY_OVERRIDES
 
 
@@ -22,15 +22,7 @@ def _session(plugins, home, extra=()):
     return build_session(load_config(None, [*TINY_OVERRIDES, "train.optim.lr=1e-3", *extra]), plugins, home / "cache")
 
 
-def _batch(session, advantages=None):
-    from rlctl.engine.batching import build_batch
-
-    requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(session.tokenizer(p.text)["input_ids"]),
-                               group_size=4, sampling=session.sampling, dataset_version=session.task.version)
-                for p in session.task.train[:4]]
-    trajectories = session.rollout.generate(requests)
-    adv = advantages if advantages is not None else [0.0] * len(trajectories)
-    return trajectories, build_batch(trajectories, adv, session.tokenizer.pad_token_id, session.sampling)
+_batch = rollout_batch
 
 
 def _mismatch(session, batch) -> float:
