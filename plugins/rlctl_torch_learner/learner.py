@@ -77,6 +77,14 @@ class TorchLearner:
                 entropy = torch.nn.functional.pad(entropy_from_logits(shaped), (1, 0))  # [n, T]
         return logp, entropy
 
+    def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
+        """Per-token log-probs (and entropy); prompts shared by several rows are prefilled once."""
+        if self.options.share_prompt_prefill:
+            shared = _prefix_shared_logprobs(model, batch, with_entropy)
+            if shared is not None:
+                return shared
+        return self._logprobs(model, batch, with_entropy)
+
     def _micro_batches(self, batch: TrainBatch):
         size = self.algo.micro_batch_size
         for start in range(0, batch.num_sequences, size):
@@ -84,13 +92,13 @@ class TorchLearner:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return torch.cat([self._logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+        return torch.cat([self._forward(self.model, mb)[0] for mb in self._micro_batches(batch)])
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.reference is None:
             return None
-        return torch.cat([self._logprobs(self.reference, mb)[0] for mb in self._micro_batches(batch)])
+        return torch.cat([self._forward(self.reference, mb)[0] for mb in self._micro_batches(batch)])
 
     # -- update ----------------------------------------------------------------
 
@@ -123,7 +131,7 @@ class TorchLearner:
         total_seqs = float((mini.action_mask.sum(-1) > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         for micro in self._micro_batches(mini):
-            logp, entropy = self._logprobs(self.model, micro, with_entropy=True)
+            logp, entropy = self._forward(self.model, micro, with_entropy=True)
             mask = micro.action_mask
             loss, info = ppo_clip_loss(logp, micro.behavior_logprobs, micro.advantages, mask, algo.clip_eps,
                                        algo.clip_eps_high or algo.clip_eps, algo.loss_agg, norm_len=self.norm_len)
@@ -216,3 +224,60 @@ def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _with_ref(batch: TrainBatch, ref: torch.Tensor | None) -> TrainBatch:
     return replace(batch, ref_logprobs=ref)
+
+
+def _prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
+    """Like ``TorchLearner._logprobs`` but each distinct prompt runs through the model once.
+
+    The G responses of a prompt share its KV cache (gradients flow back through
+    it into the one prompt forward), so a GRPO micro-batch costs about one
+    prompt forward per group instead of G. Returns None when nothing is shared
+    (or a row has no response), and the caller takes the plain path.
+    """
+    ids, mask, act = batch.input_ids, batch.attention_mask, batch.action_mask  # [n, T]
+    n, width = ids.shape
+    if bool((act.sum(-1) == 0).any()):
+        return None
+    starts = (act > 0).to(torch.int8).argmax(-1)  # [n] prompt length = first trained position
+    ends = mask.sum(-1)  # [n]
+    keys = [tuple(ids[i, : int(starts[i])].tolist()) for i in range(n)]
+    index: dict[tuple[int, ...], int] = {}
+    rows = torch.tensor([index.setdefault(k, len(index)) for k in keys])  # [n] -> unique prompt
+    if len(index) == n:
+        return None
+    prompts = list(index)
+    plen = max(len(p) for p in prompts)
+    p_ids = torch.zeros((len(prompts), plen), dtype=torch.long)
+    p_mask = torch.zeros((len(prompts), plen), dtype=torch.long)
+    for u, p in enumerate(prompts):
+        p_ids[u, plen - len(p):] = torch.tensor(p)
+        p_mask[u, plen - len(p):] = 1
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [u, Lp]
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1][rows]  # [n, V]: predicts each row's first response token
+    cache = out.cache
+    cache.batch_select_indices(rows)
+    rlen = ends - starts  # [n]
+    width_r = int(rlen.max())
+    offsets = torch.arange(width_r)  # [R]
+    valid = offsets[None, :] < rlen[:, None]  # [n, R]
+    gather_at = (starts[:, None] + offsets[None, :]).clamp(max=width - 1)  # [n, R]
+    resp = torch.where(valid, ids.gather(1, gather_at), 0)  # [n, R]
+    logits = first[:, None]  # [n, 1, V]
+    if width_r > 1:
+        full_mask = torch.cat([p_mask[rows], valid[:, :-1].long()], dim=1)  # [n, Lp + R - 1]
+        positions = p_pos[rows, -1:] + 1 + offsets[None, : width_r - 1]  # [n, R-1]
+        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, cache=cache,
+                     use_cache=True).logits  # [n, R-1, V]
+        logits = torch.cat([logits, more], dim=1)  # [n, R, V]
+    s = batch.sampling
+    lp = torch.where(valid, token_logprobs(logits, resp, s.temperature, s.top_k, s.top_p), 0.0)  # [n, R]
+    place = starts[:, None] + offsets[None, :]  # [n, R], distinct per row, < T + R
+    logp = torch.zeros((n, width + width_r), dtype=lp.dtype).scatter(1, place, lp)[:, :width]  # [n, T]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            shaped = logits if s.greedy else process_logits(logits.detach(), s.temperature, s.top_k, s.top_p)
+            ent = torch.where(valid, entropy_from_logits(shaped), 0.0)  # [n, R]
+            entropy = torch.zeros((n, width + width_r), dtype=ent.dtype).scatter(1, place, ent)[:, :width]
+    return logp, entropy

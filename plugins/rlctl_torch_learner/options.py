@@ -12,3 +12,6 @@ class TorchLearnerOptions(BaseModel):
 
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype (optimizer math in fp32 on CPU).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    share_prompt_prefill: bool = Field(
+        True, description="Run each distinct prompt of a micro-batch through the model once and reuse its KV "
+        "cache for the G responses (same maths, fewer FLOPs).")
