@@ -194,7 +194,9 @@ def workload(config: RunConfig, prompt_tokens: int) -> Workload:
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
-                    rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0)
+                    rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
+                    shared_prefill=config.train.learner == "torch" and config.algo.group_size > 1
+                    and bool(config.train.learner_options.get("share_prompt_prefill", True)))
 
 
 def strategy(config: RunConfig, options: DryrunOptions, shape: ModelShape, gpu: bool) -> Strategy:

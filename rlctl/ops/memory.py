@@ -53,6 +53,22 @@ class Workload:
     micro_batch_size: int
     rollout_rows: int  # sequences one rollout engine holds at once (all of them, or the engine's chunk)
     kl_reference: bool = False
+    shared_prefill: bool = False  # the learner runs each prompt once per group and reuses its KV cache
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens one micro-batch pushes through the layers with grad."""
+        if not self.shared_prefill:
+            return self.micro_batch_size * self.seq_tokens
+        groups = -(-self.micro_batch_size // self.group_size)
+        return self.micro_batch_size * self.response_tokens + groups * self.prompt_tokens
+
+    @property
+    def logit_tokens(self) -> int:
+        """Positions whose logits one micro-batch materialises (the shared prefill keeps only the last)."""
+        if not self.shared_prefill:
+            return self.micro_batch_size * self.seq_tokens
+        return self.micro_batch_size * (self.response_tokens + 1)
 
     @property
     def sequences(self) -> int:
@@ -266,14 +282,16 @@ def activation_bytes(shape: ModelShape, work: Workload, strat: Strategy) -> int:
     b, h, i = strat.param_bytes, shape.hidden_size, shape.intermediate_size
     per_layer_token = b * (6 * h + 4 * i) + 2 * (4 + b) * h
     outside = (4 + 2 * b) * h  # final norm and embedding output
-    tokens = work.micro_batch_size * work.seq_tokens
+    tokens = work.trained_tokens
+    # the shared prefill copies each prompt's keys/values to its G rows (kept for backward)
+    expanded = kv_cache_bytes(shape, work.micro_batch_size, work.prompt_tokens, b) if work.shared_prefill else 0
     if strat.checkpointing:  # inputs of every layer kept, one layer recomputed at a time
-        return tokens * (shape.num_layers * b * h + per_layer_token + outside)
-    return tokens * (shape.num_layers * per_layer_token + outside)
+        return tokens * (shape.num_layers * b * h + per_layer_token + outside) + expanded
+    return tokens * (shape.num_layers * per_layer_token + outside) + expanded
 
 
 def logits_bytes(shape: ModelShape, work: Workload, strat: Strategy) -> int:
-    return work.micro_batch_size * work.seq_tokens * shape.vocab_size * (strat.param_bytes + 8)
+    return work.logit_tokens * shape.vocab_size * (strat.param_bytes + 8)
 
 
 def comm_bytes(shape: ModelShape, strat: Strategy, world: int) -> int:
