@@ -260,9 +260,14 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
                                                        "ref_logprobs": "train"})
     started = time.perf_counter()
+    longest = [1.0]  # longest response the smoke steps actually generated
+
+    def observe(step: int, step_metrics: Any) -> None:
+        longest.append(float(step_metrics.get("response_length_max", 1.0)))
+
     try:
         with meter:
-            metrics = run_sync(session, [])
+            metrics = run_sync(session, [], observe)
     finally:
         session.rollout.close()
     wall = time.perf_counter() - started
@@ -270,8 +275,10 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
     prompt_max = max(len(session.tokenizer(p.text)["input_ids"]) for p in task.train)
     strat = strategy(cfg, replace(options, shape=None, zero_stage=0), shape, gpu=False)  # allocator bytes only
-    dev = ledger(shape, workload(cfg, prompt_max), strat, Placement("colocate", 1, 1, 1), host_memory_bytes(),
-                 advise=False)[0]
+    # Check the ledger's formulas at the lengths the smoke steps really had; the planning
+    # ledger above budgets every response at rollout.max_tokens (the worst case).
+    observed = replace(workload(cfg, prompt_max), response_tokens=max(1, int(max(longest))))
+    dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
 
 
