@@ -10,6 +10,7 @@ display (the CLI passes an observer). It never imports ray, rich or the registry
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
@@ -54,13 +55,13 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
         t2 = time.perf_counter()
         rewards, valid = group_rewards(scored, cfg.algo.group_size)  # [B, G]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-        kl_reward = None
         if cfg.algo.kl.coef > 0 and cfg.algo.kl.placement == "reward":
             ref = s.learner.ref_logprobs(batch)  # [N, T]
-            kl_reward = (kl_estimate(batch.behavior_logprobs, ref, cfg.algo.kl.estimator) * batch.action_mask).sum(-1)
-            rewards = rewards - cfg.algo.kl.coef * kl_reward.view_as(rewards)
-        advantages, adv_stats = grpo_advantages(rewards, valid, normalize_std=cfg.algo.normalize_std)
-        batch = build_batch(scored, advantages.flatten().tolist(), s.tokenizer.pad_token_id, s.sampling)
+            kl_seq = (kl_estimate(batch.behavior_logprobs, ref, cfg.algo.kl.estimator) * batch.action_mask).sum(-1)
+            rewards = rewards - cfg.algo.kl.coef * kl_seq.view_as(rewards)
+        advantages, adv_stats = grpo_advantages(rewards, valid, normalize_std=cfg.algo.normalize_std)  # [B, G]
+        per_token = advantages.reshape(-1, 1).float() * (batch.action_mask > 0)  # [N, T]: the sequence's, broadcast
+        batch = replace(batch, advantages=per_token)
         learner_stats = s.learner.train_step(batch)
         t3 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
