@@ -33,19 +33,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _setup import REPO  # noqa: E402  (one thread, offline; must precede torch)
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
-
-transformers.utils.logging.disable_progress_bar()
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
