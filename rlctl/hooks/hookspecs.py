@@ -62,7 +62,9 @@ def register_reward_functions(register: Register) -> None:
 def register_metric_sinks(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, options=Model|None)``.
 
-    ``factory(run_dir, run_id)`` returns a MetricSink.
+    ``factory(options, run_dir, run_id, run)`` returns a MetricSink; ``run`` is
+    the RunRecord (config hash, seed, dataset version) a tracker records with
+    the metrics. A factory should accept ``**kwargs`` so later arguments do not break it.
     """
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from rlctl.config.load import config_hash
-from rlctl.config.models import RunConfig
+from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import CheckpointError, RlctlError
 from rlctl.contracts.types import EvalRecord, RunRecord
 from rlctl.hooks.manager import Plugins
@@ -172,8 +172,9 @@ def _refuse_foreign_checkpoints(directory: Path) -> None:
 
 def _sinks(config: RunConfig, registry: Registry, plugins: Plugins, run: RunRecord, directory: Path) -> list[Any]:
     return [RegistrySink(registry, run.id)] + [
-        plugins.build("metric_sink", name, {}, f"train.metric_sinks.{i}", run_dir=directory, run_id=run.id)
-        for i, name in enumerate(config.train.metric_sinks)
+        plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options", run_dir=directory, run_id=run.id,
+                      run=run)
+        for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))
     ]
 
 
