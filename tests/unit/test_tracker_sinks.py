@@ -133,3 +133,45 @@ def test_config_takes_a_name_or_a_name_with_options(tiny_config):
         {"metric_sinks": ["jsonl", {"name": "mlflow", "options": {"experiment": "e"}}]})
     assert train.metric_sinks[1] == MetricSinkSpec(name="mlflow", options={"experiment": "e"})
     assert sink_specs(train.metric_sinks) == [("jsonl", {}), ("mlflow", {"experiment": "e"})]
+
+
+@pytest.mark.slow
+@_needs("tensorboard", "tensorboard")
+@_needs("mlflow", "mlflow")
+@_needs("wandb", "wandb")
+def test_rlctl_train_sends_the_registry_metric_names_to_every_tracker(tmp_path, _rlctl_home, monkeypatch):
+    """Through the CLI: the trackers hold exactly the metric names and steps the registry holds."""
+    import json
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlctl_sinks.wandb_sink import history, offline_logs
+    from tests.conftest import TINY_OVERRIDES
+    from tests.integration.test_cli import rlctl
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if (_rlctl_home / "cache").exists():  # share the warm-start cache of the session
+        (tmp_path / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    sinks = "train.metric_sinks=[jsonl, tensorboard, {name: mlflow, options: {experiment: e2e}}, wandb]"
+    out = json.loads(rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "eval.at_end=false", sinks,
+                           "--json", home=tmp_path, check=True).stdout)
+    run_dir, run_id = Path(out["run"]["run_dir"]), out["run"]["id"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    names = set(lines[0]["metrics"])
+    assert "reward_mean" in names and [line["step"] for line in lines] == [0, 1, 2]
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == names
+    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert set(run.data.metrics) == names and run.data.params["config_hash"] == out["run"]["config_hash"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [0, 1, 2]
+
+    (log,) = offline_logs(run_dir, run_id)
+    steps = history(log)
+    assert sorted(steps) == [0, 1, 2] and set(steps[0]) == names
