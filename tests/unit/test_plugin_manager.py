@@ -28,7 +28,7 @@ BUILTINS = {
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
     "reward_function": ["format", "length", "math"],
-    "metric_sink": ["jsonl"],
+    "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl")},
@@ -36,7 +36,7 @@ BUILTIN_PLUGINS = {
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
-    "sinks": {"metric sink": ("jsonl",)},
+    "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
 }
 
 
