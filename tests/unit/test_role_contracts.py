@@ -1,7 +1,9 @@
 """Role contracts: what core calls on a role is on its Protocol, and a Protocol-only backend runs.
 
-- a third-party learner that implements only ``LearnerBackend`` (no rlctl base
-  class, no checkpoint support) trains two steps end to end through ``train()``;
+- third-party roles that implement only their Protocols (no rlctl base class,
+  no checkpoint support): a learner trains two steps end to end through
+  ``train()`` with the default roles, and a task source, rollout backend,
+  reward function, learner and metric sink, all minimal, run two steps together;
 - every attribute core touches on the learner and the rollout backend during a
   train (checkpoints and KL-in-reward on), a resume and a dry-run smoke step is
   declared on a Protocol: the roles are wrapped in a recorder that forwards only
@@ -86,6 +88,98 @@ class MinimalLearner:
         return {"policy parameters": list(self.model.parameters())}
 
 
+class MinimalTask:
+    """A third-party TaskSource: sums of two digits."""
+
+    def load(self) -> Any:
+        from rlctl.contracts.types import PromptRecord, Split, TaskData
+
+        rows = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+        split = lambda part, sl: tuple(PromptRecord(id=f"{part}-{i}", text=t, answer=ans, split=Split(part))  # noqa: E731
+                                       for i, (t, ans) in enumerate(rows[sl]))
+        return TaskData(name="sums", version="sums-v1", train=split("train", slice(0, 80)),
+                        dev=split("dev", slice(80, 90)), hidden=split("hidden", slice(90, 100)))
+
+
+class MinimalReward:
+    """A third-party RewardFunction: exact match of the stripped response."""
+
+    name, version = "exact", "exact@1"
+
+    def score(self, trajectory: Any, reference: str) -> Any:
+        from rlctl.contracts.types import RewardResult
+
+        ok = float(trajectory.response_text.strip() == reference)
+        return RewardResult(total=ok, components={"exact": ok}, grader_version=self.version)
+
+
+class MinimalRollout:
+    """A third-party RolloutBackend: token-by-token sampling with the Hugging Face model, no cache."""
+
+    def __init__(self, ctx: Any) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, local_files_only=True).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir, local_files_only=True)
+        self.tokenizer_hash, self.policy_version = ctx.tokenizer_hash, ctx.policy_version
+        self.generator = torch.Generator().manual_seed(ctx.seed)
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        import time
+
+        from rlctl.contracts.types import TerminalReason, Trajectory
+
+        out = []
+        for req in requests:
+            for g in range(req.group_size):
+                ids, tokens, logps = list(req.prompt_tokens), [], []
+                reason = TerminalReason.LENGTH
+                for _ in range(req.sampling.max_tokens):
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                    logp = torch.log_softmax(logits / req.sampling.temperature, -1)
+                    token = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+                    ids.append(token)
+                    tokens.append(token)
+                    logps.append(float(logp[token]))
+                    if token == self.tokenizer.eos_token_id:
+                        reason = TerminalReason.EOS
+                        break
+                out.append(Trajectory.create(
+                    id=f"{req.prompt_id}/{g}", prompt_id=req.prompt_id, group_index=g,
+                    dataset_version=req.dataset_version, policy_version=self.policy_version,
+                    tokenizer_hash=self.tokenizer_hash, prompt_tokens=tuple(req.prompt_tokens),
+                    response_tokens=tuple(tokens), response_text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    action_mask=(1,) * len(tokens), behavior_logprobs=tuple(logps), sampling_config=req.sampling,
+                    terminal_reason=reason, rollout_started_at=time.time()))
+        return out
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        self.model.load_state_dict(update.state_dict)
+        self.policy_version = update.version
+
+    def health(self) -> Mapping[str, Any]:
+        return {"ok": True, "policy_version": self.policy_version}
+
+    def resident_tensors(self) -> Mapping[str, Sequence[torch.Tensor]]:
+        return {"rollout weights": list(self.model.parameters())}
+
+    def close(self) -> None:
+        pass
+
+
+class MinimalSink:
+    """A third-party MetricSink: keeps what it is given."""
+
+    written: list[tuple[int, dict[str, float]]] = []
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        MinimalSink.written.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        pass
+
+
 def recorder(inner: Any, members: set[str], seen: set[str]) -> Any:
     """A proxy that forwards only ``members`` and records every name asked of it."""
 
@@ -124,9 +218,23 @@ class ThirdParty:
                                                                  self.seen_learner), options=TorchLearnerOptions)
 
     @hookimpl
+    def register_task_sources(self, register: Any) -> None:
+        register("minimal", lambda options, seed=0: MinimalTask())
+
+    @hookimpl
+    def register_reward_functions(self, register: Any) -> None:
+        register("minimal", lambda options: MinimalReward())
+
+    @hookimpl
+    def register_metric_sinks(self, register: Any) -> None:
+        register("minimal", lambda options, run_dir, run_id: MinimalSink())
+
+    @hookimpl
     def register_rollout_backends(self, register: Any) -> None:
         from rlctl_local_engine.engine import LocalEngine
         from rlctl_local_engine.options import LocalEngineOptions
+
+        register("minimal", lambda options, ctx: MinimalRollout(ctx))
 
         register("recorded-local", lambda options, ctx: recorder(LocalEngine(ctx, options), ROLLOUT_MEMBERS,
                                                                  self.seen_rollout), options=LocalEngineOptions)
@@ -157,6 +265,27 @@ def test_a_protocol_only_learner_trains_two_steps(home: Path, tmp_path: Path) ->
     start = load_file(initial / "model.safetensors")
     final = load_file(tmp_path / "run" / "policy" / "final" / "model.safetensors")
     assert any(not torch.equal(start[k], final[k]) for k in start), "two steps did not change the parameters"
+
+
+def test_protocol_only_roles_run_two_steps_together(home: Path, tmp_path: Path) -> None:
+    from rlctl.config.load import load_config
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.train import train
+    from rlctl.registry.store import Registry
+
+    plugins = load_plugins(extra={"thirdparty": ThirdParty()})
+    overrides = [o for o in TINY_OVERRIDES if not o.startswith("task.options")] + [
+        "task.source=minimal", "task.options={}", "rollout.backend=minimal", "train.learner=minimal",
+        "reward.components=[{name: minimal}]", "train.metric_sinks=[minimal]", "train.steps=2", "eval.at_end=false",
+        "checkpoint.every_steps=0"]
+    MinimalSink.written.clear()
+    with Registry.open(f"sqlite:///{tmp_path / 'r.db'}") as reg:
+        result = train(load_config(None, overrides), registry=reg, plugins=plugins, home=home,
+                       run_dir=tmp_path / "run")
+    assert result.run.status == "succeeded" and result.last_metrics["policy_version"] == 2.0
+    assert [step for step, _ in MinimalSink.written] == [0, 1]
+    assert all("reward_mean" in m and "loss" in m for _, m in MinimalSink.written)
+    assert (tmp_path / "run" / "policy" / "final" / "config.json").is_file()
 
 
 def test_core_touches_only_protocol_members(home: Path, tmp_path: Path) -> None:
