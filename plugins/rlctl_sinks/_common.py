@@ -7,10 +7,10 @@ this is not: a sink (those live next to this module).
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+from pathlib import Path
 from typing import Any
-
-from rlctl.contracts.types import RunRecord
 
 
 def require_extra(module: str, extra: str, sink: str) -> None:
@@ -20,14 +20,26 @@ def require_extra(module: str, extra: str, sink: str) -> None:
                          f"install it with: pip install 'rlctl[{extra}]' (or remove {sink!r} from train.metric_sinks)")
 
 
-def run_params(run: RunRecord | None, run_id: str) -> dict[str, Any]:
-    """The provenance a tracker records once per run: the same fields the registry keeps."""
+def run_params(run_dir: str | Path, run_id: str) -> dict[str, Any]:
+    """The provenance a tracker records once per run, from the run directory's run.json and config.json."""
+    root = Path(run_dir)
     params: dict[str, Any] = {"rlctl_run_id": run_id}
-    if run is not None:
-        params.update(run_name=run.name, config_hash=run.config_hash, code_version=run.code_version,
-                      dataset_version=run.dataset_version or "", tokenizer_hash=run.tokenizer_hash or "",
-                      seed=run.seed)
+    info = _read_json(root / "run.json")
+    name = _read_json(root / "config.json").get("run", {}).get("name")
+    if name:
+        params["run_name"] = name
+    for key in ("config_hash", "code_version", "dataset_version", "tokenizer_hash", "seed"):
+        if info.get(key) is not None:
+            params[key] = info[key]
     return params
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def ending() -> str:

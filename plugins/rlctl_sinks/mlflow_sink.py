@@ -28,7 +28,6 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlctl.contracts.types import RunRecord
 from rlctl_sinks._common import ending, require_extra, run_params
 
 RUN_TAG = "rlctl_run_id"
@@ -57,7 +56,7 @@ def tracking_uri(options: MlflowOptions, run_dir: str | Path) -> str:
 
 
 class MlflowSink:
-    def __init__(self, run_dir: str | Path, run_id: str, run: RunRecord | None = None,
+    def __init__(self, run_dir: str | Path, run_id: str,
                  options: MlflowOptions | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
@@ -77,7 +76,7 @@ class MlflowSink:
                 default=-1,
             )
         else:
-            params = run_params(run, run_id)
+            params = run_params(run_dir, run_id)
             created = self.client.create_run(experiment_id, run_name=params.get("run_name", run_id),
                                              tags={RUN_TAG: run_id})
             self.mlflow_run_id = created.info.run_id

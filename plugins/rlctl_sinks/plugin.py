@@ -16,7 +16,7 @@ def register_metric_sinks(register) -> None:
     register("jsonl", lambda options, run_dir, run_id, **_: JsonlSink(run_dir))
     register("tensorboard", lambda options, run_dir, run_id, **_: TensorBoardSink(run_dir, options),
              options=TensorBoardOptions)
-    register("mlflow", lambda options, run_dir, run_id, run=None, **_: MlflowSink(run_dir, run_id, run, options),
+    register("mlflow", lambda options, run_dir, run_id, **_: MlflowSink(run_dir, run_id, options),
              options=MlflowOptions)
-    register("wandb", lambda options, run_dir, run_id, run=None, **_: WandbSink(run_dir, run_id, run, options),
+    register("wandb", lambda options, run_dir, run_id, **_: WandbSink(run_dir, run_id, options),
              options=WandbOptions)

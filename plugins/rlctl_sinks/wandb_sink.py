@@ -29,7 +29,6 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlctl.contracts.types import RunRecord
 from rlctl_sinks._common import ending, require_extra, run_params
 
 _EXIT_CODE = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -76,7 +75,7 @@ def history(log: str | Path) -> dict[int, dict[str, Any]]:
 
 
 class WandbSink:
-    def __init__(self, run_dir: str | Path, run_id: str, run: RunRecord | None = None,
+    def __init__(self, run_dir: str | Path, run_id: str,
                  options: WandbOptions | None = None) -> None:
         options = options or WandbOptions()
         root = Path(options.dir) if options.dir else Path(run_dir)
@@ -88,7 +87,7 @@ class WandbSink:
 
         settings = wandb.Settings(mode="offline", console="off", disable_git=True, save_code=False,
                                   x_disable_stats=True, silent=True)
-        params = run_params(run, run_id)
+        params = run_params(run_dir, run_id)
         self.run = wandb.init(project=options.project, id=run_id, name=params.get("run_name", run_id),
                               dir=str(root), mode="offline", resume="allow", config=params, settings=settings,
                               reinit="create_new")

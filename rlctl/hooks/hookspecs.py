@@ -62,9 +62,9 @@ def register_reward_functions(register: Register) -> None:
 def register_metric_sinks(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, options=Model|None)``.
 
-    ``factory(options, run_dir, run_id, run)`` returns a MetricSink; ``run`` is
-    the RunRecord (config hash, seed, dataset version) a tracker records with
-    the metrics. A factory should accept ``**kwargs`` so later arguments do not break it.
+    ``factory(options, run_dir, run_id)`` returns a MetricSink. The run's
+    provenance (config hash, seed, dataset version) is in ``<run_dir>/run.json``
+    when the factory is called.
     """
 
 

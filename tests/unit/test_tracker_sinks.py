@@ -8,11 +8,11 @@ leaves a step twice in the tracker.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import pytest
 
-from rlctl.contracts.types import RunRecord
 
 RUN_ID = "20261201-120000-abc123"
 NAMES = ("reward_mean", "reward/math", "kl_ref", "grad_norm", "T_r", "verifier_latency_p95_s")
@@ -27,17 +27,20 @@ def _metrics(step: int, attempt: int = 0) -> dict[str, float]:
     return {name: step + i / 10 + attempt * 100 for i, name in enumerate(NAMES)}
 
 
-def _record(run_dir) -> RunRecord:
-    return RunRecord(id=RUN_ID, name="arith", status="running", config={}, config_hash="cfg123",
-                     code_version="code456", dataset_version="data789", tokenizer_hash="tok", seed=7,
-                     run_dir=str(run_dir), created_at=0.0, updated_at=0.0)
+def _run_files(run_dir) -> None:
+    """What the run directory holds when sinks are built (RunDir.write_run_files)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"run": {"name": "arith"}}))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": RUN_ID, "config_hash": "cfg123", "code_version": "code456",
+                                                  "dataset_version": "data789", "tokenizer_hash": "tok", "seed": 7}))
 
 
 def _attempts(plugins, name, tmp_path, options=None, first=range(0, 5), second=range(3, 7)):
     """A run that logs ``first``, is resumed from a checkpoint after step 2, and logs ``second``."""
     for attempt, steps in enumerate((first, second)):
+        _run_files(tmp_path)
         sink = plugins.build("metric_sink", name, options or {}, "train.metric_sinks.0.options", run_dir=tmp_path,
-                             run_id=RUN_ID, run=_record(tmp_path))
+                             run_id=RUN_ID)
         for step in steps:
             sink.write(step, _metrics(step, attempt))
         sink.close()
