@@ -33,20 +33,39 @@ class TrainDisplay:
         self.run_id: str | None = None
 
     def __enter__(self) -> "TrainDisplay":
+        import warnings
+
         self.progress.start()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):  # type: ignore[no-untyped-def]
+            from rlctl.models.warm_start import WarmStartWarning
+
+            if issubclass(category, WarmStartWarning):
+                self.warning(str(message))
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._warnings.__exit__(*exc)
         self.progress.stop()
 
     def callbacks(self) -> TrainCallbacks:
         return TrainCallbacks(warm_start=self.warm_start, run_started=self.run_started, step=self.step,
                               eval_progress=self.eval_progress, start=self.start, warning=self.warning)
 
-    def warm_start(self, step: int, total: int, loss: float) -> None:
+    def warm_start(self, step: int, total: int, loss: float, dev_accuracy: float | None = None) -> None:
         if self._warm is None:
             self._warm = self.progress.add_task("warm start (SFT)", total=total, info="")
-        self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}")
+            self._dev = ""
+        if dev_accuracy is not None:
+            self._dev = f"  dev {dev_accuracy:.1%}"
+        self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}{self._dev}")
 
     def run_started(self, run: RunRecord) -> None:
         self.run_id = run.id
