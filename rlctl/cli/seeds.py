@@ -74,16 +74,17 @@ def eval_group(runs: list[str], group: Optional[str], split: Optional[str], num_
 def render_group(evaluation: Any, group: Optional[str]) -> None:
     first = evaluation.evals[0][0]
     rows = []
-    for record, details in evaluation.evals:
-        rows.append((record.run_id, record.baseline_pass_at_1 * 100, record.candidate_pass_at_1 * 100,
-                     record.diff * 100, f"[{record.ci_low * 100:+.1f}, {record.ci_high * 100:+.1f}]",
+    for (record, details), seed in zip(evaluation.evals, evaluation.seeds):
+        rows.append((f"{record.run_id} (seed {seed})", f"{record.baseline_pass_at_1 * 100:.1f}",
+                     f"{record.candidate_pass_at_1 * 100:.1f}", f"{record.diff * 100:+.1f}",
+                     f"[{record.ci_low * 100:+.1f}, {record.ci_high * 100:+.1f}]",
                      f"{details.get('wins', '?')}/{details.get('losses', '?')}"))
     pooled = evaluation.pooled
     if pooled is not None:
         starts = sum(r.baseline_pass_at_1 for r, _ in evaluation.evals) / len(evaluation.evals)
         afters = sum(r.candidate_pass_at_1 for r, _ in evaluation.evals) / len(evaluation.evals)
-        rows.append((f"pooled, {len(evaluation.evals)} seeds", starts * 100, afters * 100, pooled.diff * 100,
-                     f"[{pooled.ci_low * 100:+.1f}, {pooled.ci_high * 100:+.1f}]",
+        rows.append((f"pooled, {len(evaluation.evals)} seeds (mean)", f"{starts * 100:.1f}", f"{afters * 100:.1f}",
+                     f"{pooled.diff * 100:+.1f}", f"[{pooled.ci_low * 100:+.1f}, {pooled.ci_high * 100:+.1f}]",
                      f"{evaluation.wins}/{evaluation.losses}"))
     title = (f"{first.split} pass@1, greedy, {first.num_prompts} prompts"
              + (f", seed group {group}" if group else ""))

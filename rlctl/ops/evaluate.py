@@ -33,6 +33,7 @@ class GroupEval:
     """Per-run evals of several runs on the same prompts, and their pooled difference (None for one run)."""
 
     evals: list[tuple[EvalRecord, dict[str, Any]]]
+    seeds: list[int]  # each run's run.seed, in the order of evals
     pooled: Any = None  # rlctl.engine.eval.Comparison
     wins: int = 0
     losses: int = 0
@@ -114,7 +115,7 @@ def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], 
         registry.add_event(run.id, "eval", f"{run_split} pass@1 {base.pass_at_1:.3f} -> {final.pass_at_1:.3f} "
                            f"(diff {comp.diff:+.3f}, 95% CI [{comp.ci_low:+.3f}, {comp.ci_high:+.3f}])")
         out.append((record, details))
-    result = GroupEval(evals=out, wins=sum(d["wins"] for _, d in out), losses=sum(d["losses"] for _, d in out))
+    result = GroupEval(evals=out, seeds=[r.seed for r in runs], wins=sum(d["wins"] for _, d in out), losses=sum(d["losses"] for _, d in out))
     if len(runs) > 1:
         first = RunConfig.model_validate(runs[0].config)
         result.pooled = pooled_bootstrap(pairs, samples=first.eval.bootstrap_samples, seed=first.run.seed)

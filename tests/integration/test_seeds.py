@@ -46,7 +46,7 @@ def test_train_seeds_runs_each_seed_from_one_warm_start_and_pools_them(home):
     assert any(e["kind"] == "seed_group" and e["message"] == group for e in shown["events"])
 
     table = rlctl("eval", runs[0]["id"], runs[1]["id"], "--num-prompts", "10", home=home, check=True).stdout
-    assert "pooled, 2 seeds" in table and "gain positive in" in table and "10 prompts" in table
+    assert "pooled, 2 seeds" in table and "(seed 8)" in table and "gain positive in" in table and "10 prompts" in table
     missing = rlctl("eval", "--group", "seeds-nope", home=home)
     assert missing.returncode == 1 and "no runs in seed group" in missing.stderr
 
