@@ -47,6 +47,8 @@ def main() -> int:
     if args.home:
         os.environ["RLCTL_HOME"] = args.home
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from rlctl.cli._options import rlctl_home
     from rlctl.config.load import load_config
