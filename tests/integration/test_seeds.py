@@ -42,8 +42,12 @@ def test_train_seeds_runs_each_seed_from_one_warm_start_and_pools_them(home):
     again = json.loads(rlctl("eval", "--group", group[:-2], "--json", home=home, check=True).stdout)
     assert [e["run_id"] for e in again["evals"]] == [r["id"] for r in runs]
     assert again["pooled"]["diff"] == pytest.approx(pooled["diff"])
-    shown = json.loads(rlctl("runs", "show", runs[1]["id"], "--json", home=home, check=True).stdout)
-    assert any(e["kind"] == "seed_group" and e["message"] == group for e in shown["events"])
+    from rlctl.registry.store import Registry
+
+    with Registry.open(f"sqlite:///{home}/registry.db") as reg:
+        assert reg.runs_in_group(group) == [r["id"] for r in runs]
+        assert any(e.kind == "seed_group" and e.message == group for e in reg.events(runs[1]["id"]))
+        assert [e.kind for e in reg.events(runs[0]["id"])].count("group_eval") == 1
 
     table = rlctl("eval", runs[0]["id"], runs[1]["id"], "--num-prompts", "10", home=home, check=True).stdout
     assert "pooled, 2 seeds" in table and "(seed 8)" in table and "gain positive in" in table and "10 prompts" in table
