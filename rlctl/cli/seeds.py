@@ -19,8 +19,8 @@ def run_seeds(cfg: Any, num_seeds: int, plugins: Any, run_dir: Optional[Path], r
         show_run = callbacks.run_started
 
         def run_started(run: Any) -> None:
-            display.progress.console.print(f"RL seed {run.seed} ({run.seed - cfg.run.seed + 1} of {num_seeds}), "
-                                           "from the shared warm start")
+            display.line(f"RL seed {run.seed} ({run.seed - cfg.run.seed + 1} of {num_seeds}), "
+                         "from the shared warm start")
             if show_run:
                 show_run(run)
 
@@ -30,8 +30,8 @@ def run_seeds(cfg: Any, num_seeds: int, plugins: Any, run_dir: Optional[Path], r
                                  callbacks=callbacks)
         except KeyboardInterrupt:
             if display.run_id:
-                display.progress.console.print(f"interrupted: run {display.run_id} is marked 'interrupted'; "
-                                               f"continue it with `rlctl resume {display.run_id}`")
+                display.line(f"interrupted: run {display.run_id} is marked 'interrupted'; "
+                             f"continue it with `rlctl resume {display.run_id}`")
             raise
     if json_out:
         _output.print_json({"group": result.group, "runs": [r.run for r in result.runs], "wall_s": result.wall_s,

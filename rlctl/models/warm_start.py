@@ -6,10 +6,10 @@ cache that makes it run once per (model shape, warm-start settings including
 the stopping rule, dataset version, seed). With ``target_dev_accuracy`` the
 stage stops on a dev-split target instead of a step count: a fixed step count
 lands at different accuracies on CPUs with different kernels, a target lands
-every CPU at about the same starting policy. The cache entry is written to a
-temp dir and renamed into place after a ``COMPLETE`` marker, so a killed warm
-start never leaves a half model; ``warm_start.json`` in it records where the
-stage stopped and why.
+every CPU at about the same starting policy. The cache entry is written
+durably (temp dir, fsync, rename) with a ``COMPLETE`` marker inside, so a
+killed warm start never leaves a half model; ``warm_start.json`` in it
+records where the stage stopped and why.
 
 What this is not: a general SFT trainer for large models.
 """
@@ -19,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,19 +84,18 @@ def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root
         result = sft(net, tokenizer, task.train, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
                      progress=progress, dev=task.dev[:ws.eval_prompts] if ws.target_dev_accuracy else (),
                      target=ws.target_dev_accuracy, eval_every=ws.eval_every)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    from rlctl.engine.durable import write_dir_durably
+
+    def fill(tmp: Path) -> None:
         net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         info = {k: v for k, v in asdict(result).items() if k != "losses"}
         info["final_loss"] = result.losses[-1] if result.losses else None
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         (tmp / "COMPLETE").write_text("ok\n")
-        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    if not (target / "COMPLETE").is_file():  # another process may have built it meanwhile
+        write_dir_durably(target, fill)
     _warn_if_capped(target, ws.steps)
     return target
 
