@@ -282,20 +282,14 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _aliases(served: Mapping[str, Any]) -> dict[str, str]:
-    """name -> the first name sharing its tensor (tied weights a checkpoint may store once)."""
-    first: dict[tuple[int, int], str] = {}
-    out: dict[str, str] = {}
+def _aliases(served: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """name -> every other name sharing its tensor (tied weights a checkpoint may store once)."""
+    groups: dict[tuple[int, int], list[str]] = {}
     for name in sorted(served):
         t = served[name]
-        if not t.numel():
-            continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in first:
-            out[name] = first[key]
-        else:
-            first[key] = name
-    return out
+        if t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), []).append(name)
+    return {n: tuple(m for m in names if m != n) for names in groups.values() if len(names) > 1 for n in names}
 
 
 _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -304,7 +298,7 @@ _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
 
 
 def read_model_dir(path: Path, layout: Mapping[str, tuple[tuple[int, ...], Any]],
-                   tied: Mapping[str, str]) -> dict[str, Any]:
+                   tied: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
     """The tensors of a plain Hugging Face safetensors directory, checked against the served layout first.
 
     Every file's header is read and every name, shape and dtype compared
@@ -342,7 +336,7 @@ def read_model_dir(path: Path, layout: Mapping[str, tuple[tuple[int, ...], Any]]
         except SafetensorError as err:
             raise RoleError(f"{file.name} in {path.name} is not a valid safetensors file: {err}",
                             "rewrite the model with save_pretrained") from None
-    missing = sorted(n for n in layout if n not in where and tied.get(n) not in where)
+    missing = sorted(n for n in layout if n not in where and not any(m in where for m in tied.get(n, ())))
     if missing:
         raise RoleError(f"{path.name} lacks {len(missing)} tensor(s) the served model has, e.g. {missing[0]}",
                         "load a full model of the served architecture")
@@ -357,7 +351,7 @@ def read_model_dir(path: Path, layout: Mapping[str, tuple[tuple[int, ...], Any]]
             raise RoleError(f"{file.name} in {path.name} could not be read: {err}", "rewrite the model") from None
     for name in layout:
         if name not in state:
-            state[name] = state[tied[name]]
+            state[name] = next(state[m] for m in tied[name] if m in state)
     return state
 
 

@@ -260,9 +260,10 @@ class EngineWorker:
                 self._active.remove(job)
             elif job.left == 0 and all(r is not None for r in job.results):
                 self._active.remove(job)
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or self._closing.is_set():  # its rows were cut short
                     self.stats.cancelled += 1
-                    job.future.set_exception(Cancelled("the request was cancelled", "nothing to do"))
+                    job.future.set_exception(Cancelled("the server is shutting down" if self._closing.is_set()
+                                                       else "the request was cancelled", "retry"))
                 else:
                     job.future.set_result(([r[0] for r in job.results], [r[1] for r in job.results]))
 
