@@ -349,6 +349,11 @@ def test_with_an_api_key_every_route_needs_it(tiny_policy_dir):
                 assert status == 401 and "API key" in answer["error"], (method, path, auth)
         assert keyed.request("GET", "/health")[0] == 200
         assert keyed.post("/generate", VALID)[0] == 200
+        from rlctl_sglang.client import ServerClient, ServerError
+
+        assert ServerClient(keyed.server.url, 10, "s3cret").model_info()["rlctl"]["fingerprint"]  # the plugin
+        with pytest.raises(ServerError, match="401"):
+            ServerClient(keyed.server.url, 10).model_info()
     finally:
         keyed.stop()
 

@@ -169,6 +169,24 @@ def test_real_sglang_refuses_what_it_cannot_do(plugins, model_dir, fakes, tmp_pa
         backend.close()
 
 
+def test_the_api_key_from_the_environment_is_sent_on_every_call(plugins, model_dir, tmp_path, monkeypatch):
+    server = FakeSGLang(api_key="k3y")
+    try:
+        monkeypatch.delenv("RLCTL_SERVE_API_KEY", raising=False)
+        with pytest.raises(RoleError, match="401"):
+            _backend(plugins, model_dir, [server], tmp_path)
+        monkeypatch.setenv("RLCTL_SERVE_API_KEY", "k3y")
+        refused = server.unauthorized
+        backend = _backend(plugins, model_dir, [server], tmp_path / "b")
+        try:
+            assert backend.generate(_requests(2, SamplingConfig(max_tokens=4)))
+            assert server.unauthorized == refused and server.updates  # synced, generated, all with the key
+        finally:
+            backend.close()
+    finally:
+        server.close()
+
+
 # -- the served schema -------------------------------------------------------------------
 
 
