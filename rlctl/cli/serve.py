@@ -34,12 +34,12 @@ def rollout(
     max_batch_rows: int = typer.Option(256, "--max-batch-rows", min=1, help="Rows per engine batch, shared "
                                        "evenly among waiting requests."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Cap on "
-                                                 "sampling_params.max_new_tokens [default: 1024, and at most the "
-                                                 "model's positions - 1]."),
+                                                 "sampling_params.max_new_tokens (default 1024, and at most the "
+                                                 "model's positions - 1)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", min=1, help="Sequences per /generate "
-                                              "request, n copies included [default: 512]."),
+                                              "request, n copies included (default 512)."),
     max_body_mb: Optional[float] = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit "
-                                                "in MiB [default: 8]."),
+                                                "in MiB (default 8)."),
     max_connections: int = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; "
                                         "more get 503."),
     read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections "

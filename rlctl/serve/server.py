@@ -173,6 +173,8 @@ class RolloutService:
             return refuse(400, f"cannot read the weights in {path}: {type(err).__name__}: {str(err)[:300]}")
         try:
             message = self.worker.call(apply)
+        except Cancelled as err:
+            return refuse(503, err.message)
         except RlctlError as err:
             return refuse(400, str(err))
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
@@ -411,7 +413,7 @@ def _handler(service: RolloutService, http: HttpOptions, host: str, verbose: boo
         "/update_weights_from_disk": lambda body, gone: service.update_weights_from_disk(body),
     }
     gets: dict[str, Callable[[], tuple[int, Any]]] = {
-        "/health": lambda: (200, None) if service.worker._thread.is_alive() else (503, None),
+        "/health": lambda: (200, None) if service.worker.alive else (503, None),
         "/health_generate": lambda: service.health_generate(http.health_timeout_s),
         "/get_model_info": lambda: (200, service.model_info()), "/model_info": lambda: (200, service.model_info()),
         "/get_server_info": lambda: (200, service.server_info()), "/server_info": lambda: (200, service.server_info()),
@@ -435,6 +437,8 @@ def _handler(service: RolloutService, http: HttpOptions, host: str, verbose: boo
             path = self.path.split("?", 1)[0]
             try:
                 self._admit()
+                if not post and (self.headers.get("Content-Length") or "0").strip() not in ("", "0"):
+                    self.close_connection = True  # its body is not read: the connection cannot carry on
                 body = self._body() if post else None
                 if path in gets:
                     self._answer(gets[path])
@@ -630,7 +634,7 @@ class RolloutServer:
 
     def shutdown(self) -> None:
         """Stop accepting, cancel running generations, release the port (returns within a few seconds)."""
-        self.service.worker._closing.set()  # generations stop at their next decode step
+        self.service.worker.cancel_all()  # generations stop at their next decode step
         self.httpd.shutdown()
         self._stopped.wait(timeout=5)
 
@@ -679,7 +683,7 @@ def serve(service: RolloutService, host: str, port: int, *, http: HttpOptions | 
         raise
 
     def stop(signum: int, frame: Any) -> None:
-        service.worker._closing.set()
+        service.worker.cancel_all()
         threading.Thread(target=server.httpd.shutdown, daemon=True).start()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -146,6 +146,14 @@ class EngineWorker:
         return job.future.result(timeout=timeout_s)
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def cancel_all(self) -> None:
+        """Shutdown has begun: running generations stop at their next decode step, new work is refused."""
+        self._closing.set()
+
+    @property
     def idle(self) -> bool:
         """Nothing queued, nothing running."""
         return not self._busy.is_set() and not self._active and self._queue.empty()

@@ -99,18 +99,72 @@ def test_a_valid_update_is_swapped_in_whole_and_served(engine):
     assert traj.policy_version == 3 and traj.behavior_logprobs != old_logprobs
 
 
-@pytest.mark.parametrize("kind", ["inprocess", "disk"])
+def _transports(kind: str, tmp_path: Path):
+    """(sending transport, receiving transport, cleanup) for one receiver path."""
+    if kind == "inprocess":
+        t = InProcessTransport()
+        return t, t, lambda: None
+    if kind == "disk":
+        t = DiskTransport(tmp_path)
+        return t, t, lambda: None
+    import socket
+    import threading
+
+    from rlctl.engine.transports.distributed import DistTransport
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender, receiver = (DistTransport(rank=r, world_size=2, master_port=port, timeout_s=30, join_timeout_s=30,
+                                      bind_addr="127.0.0.1") for r in (0, 1))
+    joined = threading.Thread(target=receiver.connect)
+    joined.start()
+    sender.connect()
+    joined.join()
+    return sender, receiver, lambda: (sender.close(), receiver.close())
+
+
+def _deliver(broadcaster: Broadcaster, receiver: Receiver, engine, update: WeightUpdate) -> None:
+    """Publish ``update`` and apply it on ``engine`` (concurrently for a broadcast, which needs both ends)."""
+    import threading
+
+    if broadcaster.transport.name != "distributed":
+        broadcaster.publish(update)
+        receiver.apply(engine)
+        return
+
+    sent: dict[str, BaseException] = {}
+
+    def publish() -> None:
+        try:
+            broadcaster.publish(update)
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            sent["error"] = err
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        receiver.apply(engine)
+    finally:
+        thread.join(timeout=60)
+        if "error" in sent:
+            raise sent["error"]
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "disk", "gloo"])
 def test_every_receiver_refuses_a_mismatched_version_whole(engine, tmp_path: Path, kind):
-    """The in-process and disk receivers (the gloo one shares Receiver.apply) decode, then apply all or nothing."""
+    """In-process, disk and torch.distributed (gloo) receivers decode, then apply all or nothing."""
     before, fp = _snapshot(engine), engine.health()["fingerprint"]
-    transport = InProcessTransport() if kind == "inprocess" else DiskTransport(tmp_path)
-    broadcaster, receiver = Broadcaster(transport), Receiver(transport)
-    for version, (_, candidate) in enumerate(_bad_updates(before), start=1):
-        broadcaster.publish(WeightUpdate(version=version, state_dict=candidate, fingerprint=fingerprint(candidate)))
-        with pytest.raises(RoleError):
-            receiver.apply(engine)
-        _unchanged(engine, before, fp, 0)
-    good = _moved(before)
-    broadcaster.publish(WeightUpdate(version=9, state_dict=good, fingerprint=fingerprint(good)))
-    receiver.apply(engine)
-    assert engine.policy_version == 9 and engine.health()["fingerprint"] == fingerprint(good)
+    sending, receiving, cleanup = _transports(kind, tmp_path)
+    try:
+        broadcaster, receiver = Broadcaster(sending), Receiver(receiving)
+        for version, (_, candidate) in enumerate(_bad_updates(before), start=1):
+            with pytest.raises(RoleError):
+                _deliver(broadcaster, receiver, engine,
+                         WeightUpdate(version=version, state_dict=candidate, fingerprint=fingerprint(candidate)))
+            _unchanged(engine, before, fp, 0)
+        good = _moved(before)
+        _deliver(broadcaster, receiver, engine, WeightUpdate(version=9, state_dict=good, fingerprint=fingerprint(good)))
+        assert engine.policy_version == 9 and engine.health()["fingerprint"] == fingerprint(good)
+    finally:
+        cleanup()
