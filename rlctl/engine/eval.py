@@ -84,3 +84,29 @@ def paired_bootstrap(baseline: Sequence[int], candidate: Sequence[int], samples:
     low = means[int(0.025 * samples)]
     high = means[min(samples - 1, int(0.975 * samples))]
     return Comparison(diff=sum(diffs) / n, ci_low=low, ci_high=high, num_prompts=n)
+
+
+def paired_bootstrap_pooled(baseline: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]],
+                            samples: int = 2000, seed: int = 0) -> Comparison:
+    """95% CI of the seed-averaged mean(candidate - baseline), pairing seed s of both sides prompt by prompt.
+
+    ``baseline[s]`` and ``candidate[s]`` are the per-prompt scores of seed s on
+    the same prompts, in the same order. Each resample draws prompts with
+    replacement (one draw shared by every seed, so a prompt stays paired with
+    itself across seeds) and averages the difference over seeds and prompts.
+    The interval reflects prompt sampling with the seeds as run; the per-seed
+    CIs (``paired_bootstrap`` on each pair) show the seed-to-seed spread.
+    ``num_prompts`` counts prompts, not seed x prompt pairs.
+    """
+    import numpy as np
+
+    if not baseline or len(baseline) != len(candidate):
+        raise ValueError("pooled bootstrap needs the same, non-zero number of seeds on both sides")
+    n = len(baseline[0])
+    if n == 0 or any(len(b) != n or len(c) != n for b, c in zip(baseline, candidate)):
+        raise ValueError("pooled bootstrap needs every seed scored on the same non-empty prompts")
+    diffs = (np.asarray(candidate, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)).mean(axis=0)  # [n]
+    rng = np.random.default_rng(seed)
+    means = np.sort(diffs[rng.integers(0, n, size=(samples, n))].mean(axis=1))
+    return Comparison(diff=float(diffs.mean()), ci_low=float(means[int(0.025 * samples)]),
+                      ci_high=float(means[min(samples - 1, int(0.975 * samples))]), num_prompts=n)

@@ -15,9 +15,9 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
-from rlctl.engine.batching import build_batch, group_rewards
+from rlctl.engine.batching import build_batch
+from rlctl.engine.estimation import estimate, sample_groups
 from rlctl.engine.metrics import step_metrics
-from rlctl.engine.scoring import score_all
 from rlctl.engine.session import Session
 
 Observer = Callable[[int, Mapping[str, float]], None]
@@ -36,48 +36,56 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
     A resumed run passes the restored session and ``start_step`` = the
     checkpoint's completed steps.
     """
-    from rlctl.algo.advantages import grpo_advantages
-    from rlctl.algo.kl import kl_estimate
-
     cfg, s = session.config, session
     answers = {r.id: r.answer for r in s.task.train}
     encoded: dict[str, tuple[int, ...]] = {}
     metrics: dict[str, float] = {}
+    budget = cfg.train.max_generated_tokens
+    total_generated = 0.0  # counted from start_step: a resumed run's budget restarts there
+
+    def request(p) -> RolloutRequest:
+        return RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
+                              group_size=cfg.algo.group_size, sampling=s.sampling, dataset_version=s.task.version)
+
     for step in range(start_step, cfg.train.steps):
-        t0 = time.perf_counter()
-        prompts = s.cursor.next(cfg.algo.prompts_per_step)
-        requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
-                                   group_size=cfg.algo.group_size, sampling=s.sampling,
-                                   dataset_version=s.task.version) for p in prompts]
-        trajectories = s.rollout.generate(requests)
-        t1 = time.perf_counter()
-        scored, verify_latencies = score_all(trajectories, answers, s.reward, cfg.rollout.truncation_penalty)
+        sampled = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
+                                answers=answers, estimator=s.estimator, num_prompts=cfg.algo.prompts_per_step,
+                                group_size=cfg.algo.group_size, max_tokens=cfg.rollout.max_tokens,
+                                truncation_penalty=cfg.rollout.truncation_penalty)
+        scored = sampled.scored
         t2 = time.perf_counter()
-        rewards, valid = group_rewards(scored, cfg.algo.group_size)  # [B, G]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-        if cfg.algo.kl.coef > 0 and cfg.algo.kl.placement == "reward":
-            ref = s.learner.ref_logprobs(batch)  # [N, T]
-            kl_seq = (kl_estimate(batch.behavior_logprobs, ref, cfg.algo.kl.estimator) * batch.action_mask).sum(-1)
-            rewards = rewards - cfg.algo.kl.coef * kl_seq.view_as(rewards)
-        advantages, adv_stats = grpo_advantages(rewards, valid, normalize_std=cfg.algo.normalize_std)  # [B, G]
-        per_token = advantages.reshape(-1, 1).float() * (batch.action_mask > 0)  # [N, T]: the sequence's, broadcast
-        batch = replace(batch, advantages=per_token)
-        learner_stats = s.learner.train_step(batch)
+        est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
+                       kl=cfg.algo.kl, ref_logprobs=s.learner.ref_logprobs,
+                       values=s.critic.values if s.critic else None)
+        total_generated += sampled.num_generated_tokens
+        advantages = est.advantages
+        adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
+        batch = replace(batch, advantages=advantages.float())
+        learner_stats: dict[str, float] = {}
+        if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
+            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+        if step >= (cfg.algo.critic.warmup_steps if s.critic is not None else 0):  # warm-up: critic only
+            learner_stats.update(s.learner.train_step(batch))
         t3 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
         t4 = time.perf_counter()
         metrics = step_metrics(
-            scored=scored, learner_stats=learner_stats, adv_stats=adv_stats, advantages=advantages,
-            verify_latencies=verify_latencies, learner_version=s.learner.policy_version,
-            times={"T_r": t1 - t0, "T_v": t2 - t1, "T_l": t3 - t2, "T_s": t4 - t3},
+            scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
+            advantages=advantages.abs().sum(-1),  # [N]: nonzero on the sequences that carry signal
+            verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
+            times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3},
         )
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+        spent = budget is not None and total_generated >= budget
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or spent:
             for sink in sinks:
                 sink.write(step, metrics)
         if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
             checkpoint.after_step(step + 1, metrics)
         if observer is not None:
             observer(step, metrics)
+        if spent:
+            break
     return metrics
 
 

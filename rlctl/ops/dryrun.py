@@ -105,9 +105,12 @@ class DryrunReport:
 
 def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptions) -> DryrunReport:
     """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
+    from rlctl.engine.session import build_estimator
+
     checks, task, tokenizer, prompt_max = validate(config, plugins, home)
     shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
-    work = workload(config, options.prompt_tokens or prompt_max)
+    critic = build_estimator(config, plugins).needs_critic
+    work = workload(config, options.prompt_tokens or prompt_max, critic=critic)
     strat = strategy(config, options, shape, gpu=options.device_memory_bytes is not None)
     capacity = options.device_memory_bytes or host_memory_bytes()
     placements = {}
@@ -146,6 +149,12 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
     for sink in config.train.metric_sinks:
         plugins.get("metric_sink", sink)
+    from rlctl.engine.session import build_estimator
+
+    estimator = build_estimator(config, plugins)
+    checks.append(Check("plugin advantage_estimator", True, f"{config.algo.name!r} from "
+                        f"{plugins.get('advantage_estimator', config.algo.name).plugin}, options valid"
+                        + ("; needs a critic" if estimator.needs_critic else "")))
     reward = build_reward(config, plugins)
     checks.append(Check("reward", True, reward.version))
     task = load_task(config, plugins)
@@ -188,13 +197,14 @@ def config_shape(config: RunConfig, tokenizer: Any) -> ModelShape:
     return from_hf_config(json.loads(path.read_text()), name=Path(config.model.path).name, source=str(path))
 
 
-def workload(config: RunConfig, prompt_tokens: int) -> Workload:
+def workload(config: RunConfig, prompt_tokens: int, critic: bool = False) -> Workload:
     rows = config.algo.prompts_per_step * config.algo.group_size
     chunk = int(config.rollout.options.get("max_batch_sequences", rows)) if config.rollout.backend == "local" else rows
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
                     rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
+                    critic=critic,
                     shared_prefill=config.train.learner == "torch" and config.algo.group_size > 1
                     and bool(config.train.learner_options.get("share_prompt_prefill", True)))
 
