@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_OVERRIDES
-from tests.integration.test_cli import _assert_one_line_error, rlctl
+from tests.integration.test_cli import REPO, _assert_one_line_error, rlctl
 
 SETS = [arg for o in TINY_OVERRIDES if not o.startswith("train.steps") for arg in ("--set", o)]
 ARGS = ["ablate", "configs/quickstart.yaml", "--axis", "algo.name=grpo,rloo", "--seeds", "2", *SETS,
@@ -24,8 +24,19 @@ def home(tmp_path: Path, _rlctl_home: Path, tiny_policy_dir) -> Path:
 def test_bad_axis_is_one_line(home):
     _assert_one_line_error(rlctl("ablate", "configs/quickstart.yaml", "--axis", "algo.name", home=home),
                            "--axis", "KEY=v1,v2")
-    _assert_one_line_error(rlctl("ablate", "configs/quickstart.yaml", "--axis", "algo.name=grpo,nosuch",
-                                 *SETS, "--seeds", "1", home=home), "nosuch")
+
+
+def test_unknown_estimator_fails_before_anything_is_recorded(plugins, tmp_path):
+    from rlctl.config.load import load_config
+    from rlctl.contracts.errors import PluginError
+    from rlctl.ops.ablate import plan, run_ablation
+    from rlctl.registry.store import Registry
+
+    p = plan(load_config(REPO / "configs" / "quickstart.yaml", TINY_OVERRIDES), ["algo.name=grpo,nosuch"], 1, None)
+    with Registry.open(f"sqlite:///{tmp_path / 'r.db'}") as reg:
+        with pytest.raises(PluginError, match="nosuch"):
+            run_ablation(p, name="x", registry=reg, plugins=plugins, home=tmp_path)
+        assert reg.list_runs() == []
 
 
 @pytest.mark.slow

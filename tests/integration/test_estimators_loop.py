@@ -92,3 +92,17 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(plugins, _rlctl_hom
         ids = [t.prompt_id for t in out.scored]
         assert all(len(set(ids[i:i + cfg.algo.group_size])) == 1 for i in range(0, len(ids), cfg.algo.group_size))
     assert seen_refill > 0, "the tiny policy should produce some all-equal groups at G=4"
+
+
+def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_home, tiny_policy_dir):
+    from rlctl.engine.loop import run_sync
+
+    session = _session(plugins, _rlctl_home, "train.steps=50", "train.max_generated_tokens=100",
+                       "train.log_every=10")
+    sink = ListSink()
+    last = run_sync(session, [sink])
+    steps = sorted(sink.rows)
+    assert steps[-1] < 49  # stopped by the budget, and the stopping step is logged
+    assert last["generated_tokens_total"] >= 100
+    assert last["generated_tokens_total"] - last["generated_tokens"] < 100  # the step before was still under it
+    assert session.learner.policy_version == steps[-1] + 1
