@@ -29,8 +29,8 @@ def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):
     (model / "config.json").write_text(json.dumps(SEVEN_B))
     (model / "model.safetensors").write_bytes(b"")
     build_char_tokenizer().save_pretrained(model)
-    rows = [json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) for i in range(8)]
-    for split in ("train", "dev", "hidden"):
+    for k, split in enumerate(("train", "dev", "hidden")):
+        rows = [json.dumps({"prompt": f"What is {i} + {k}?", "answer": str(i + k)}) for i in range(8)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
     proc = rlctl("dryrun", "configs/grpo-7b-8gpu.yaml", f"model.path={model}",
                  *(f"task.options.{s}={tmp_path / f'{s}.jsonl'}" for s in ("train", "dev", "hidden")),
