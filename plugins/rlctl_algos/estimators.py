@@ -42,6 +42,7 @@ class _Outcome:
     clip: tuple[float, float] | None = None
     needs_critic = False
     kl_in_token_rewards = False
+    max_sample_rounds = 1
 
     def __init__(self, algo: Any, options: Any = None) -> None:
         self.algo = algo

@@ -164,7 +164,9 @@ class AdvantageEstimator(Protocol):
     ``clip`` (low, high) overrides algo.clip_eps when not None; ``needs_critic``
     asks the engine for a value model; ``kl_in_token_rewards`` means the
     estimator consumes per-token KL itself (else the engine subtracts the
-    sequence KL from the rewards when the KL goes into the reward).
+    sequence KL from the rewards when the KL goes into the reward);
+    ``max_sample_rounds`` bounds the rollout rounds of one step when
+    ``keep_groups`` drops groups (1 = no refill).
     """
 
     policy_loss: str
@@ -172,6 +174,7 @@ class AdvantageEstimator(Protocol):
     clip: tuple[float, float] | None
     needs_critic: bool
     kl_in_token_rewards: bool
+    max_sample_rounds: int
 
     def shape_rewards(self, rewards: Any, lengths: Any, max_tokens: int) -> Any:
         """Rewards ``[B, G]`` after length shaping (identity for most estimators)."""
@@ -212,11 +215,11 @@ class CriticBackend(Protocol):
 
 
 ROLE_PROTOCOLS: dict[str, type] = {
-    "critic_backend": CriticBackend,
-    "advantage_estimator": AdvantageEstimator,
     "task_source": TaskSource,
     "rollout_backend": RolloutBackend,
     "reward_function": RewardFunction,
     "learner_backend": LearnerBackend,
     "metric_sink": MetricSink,
+    "advantage_estimator": AdvantageEstimator,
+    "critic_backend": CriticBackend,
 }

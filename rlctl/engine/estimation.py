@@ -51,7 +51,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
 
     import torch
 
-    rounds = max(1, int(getattr(estimator, "max_sample_rounds", 1)))
+    rounds = max(1, estimator.max_sample_rounds)
     kept: list[Trajectory] = []
     rewards: list[Any] = []
     valid: list[Any] = []

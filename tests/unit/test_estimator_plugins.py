@@ -111,3 +111,38 @@ def test_group_size_one_only_for_estimators_without_a_group_baseline():
     AlgoConfig(name="reinforce_pp", group_size=1)
     with pytest.raises(ValueError, match="group baseline"):
         AlgoConfig(name="rloo", group_size=1)
+
+
+def test_a_third_party_estimator_is_selected_by_name():
+    from types import SimpleNamespace
+
+    from rlctl import hookimpl
+    from rlctl_algos.estimators import RLOO
+
+    class SignOnly(RLOO):
+        """A third party's estimator: the sign of the leave-one-out advantage."""
+
+        def advantages(self, inputs):
+            adv, stats = super().advantages(inputs)
+            return adv.sign(), stats
+
+    plugin = SimpleNamespace(register_advantage_estimators=hookimpl(
+        lambda register: register("sign_rloo", lambda options, algo: SignOnly(algo, options))))
+    plugins = load_plugins(extra={"sign": plugin})
+    cfg = RunConfig(algo=AlgoConfig(name="sign_rloo", group_size=2, prompts_per_step=2))
+    est = build_estimator(cfg, plugins)
+    adv, _ = est.advantages(AdvantageInputs(rewards=REWARDS, valid=VALID, action_mask=MASK))
+    _close(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]).view(4, 1) * MASK)
+    assert plugins.get("advantage_estimator", "sign_rloo").plugin == "sign"
+
+
+def test_an_object_that_is_not_an_estimator_is_refused():
+    from types import SimpleNamespace
+
+    from rlctl import hookimpl
+
+    plugin = SimpleNamespace(register_advantage_estimators=hookimpl(
+        lambda register: register("broken", lambda options, algo: object())))
+    cfg = RunConfig(algo=AlgoConfig(name="broken", group_size=2, prompts_per_step=2))
+    with pytest.raises(PluginError, match="AdvantageEstimator"):
+        build_estimator(cfg, load_plugins(extra={"broken": plugin}))
