@@ -269,6 +269,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     session.rollout = _Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
     session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
                                                        "ref_logprobs": "train"})
+    if session.critic is not None:
+        session.critic = _Phased(session.critic, meter, {"train_step": "train", "values": "train"})
     started = time.perf_counter()
     longest = [1.0]  # longest response the smoke steps actually generated
 
@@ -287,7 +289,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     strat = strategy(cfg, replace(options, shape=None, zero_stage=0), shape, gpu=False)  # allocator bytes only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max), response_tokens=max(1, int(max(longest))))
+    observed = replace(workload(cfg, prompt_max, critic=session.critic is not None),
+                       response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
 
@@ -478,4 +481,13 @@ def persistent_bytes(session: Any) -> dict[str, int]:
     ref = getattr(learner, "reference", None)
     if isinstance(ref, torch.nn.Module):
         out["reference parameters"] = size(list(ref.parameters()))
+    critic = getattr(session.critic, "_role", session.critic)
+    value_model = getattr(critic, "model", None)
+    if isinstance(value_model, torch.nn.Module):
+        out["critic parameters"] = size(list(value_model.parameters()))
+        out["critic gradients"] = size([p.grad for p in value_model.parameters() if p.grad is not None])
+        critic_opt = getattr(critic, "optimizer", None)
+        if isinstance(critic_opt, torch.optim.Optimizer):
+            out["critic optimizer states"] = size([t for st in critic_opt.state.values() for t in st.values()
+                                                   if isinstance(t, torch.Tensor) and t.dim() > 0])
     return out
