@@ -93,6 +93,14 @@ class TorchCritic:
         out["value_mean"] = float(old_values[mask > 0].mean()) if bool((mask > 0).any()) else 0.0
         return out
 
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        """Tensors held between steps, by memory-ledger term (the dry run measures them)."""
+        params = list(self.model.parameters())
+        return {"critic parameters": params,
+                "critic gradients": [p.grad for p in params if p.grad is not None],
+                "critic optimizer states": [t for st in self.optimizer.state.values() for t in st.values()
+                                            if isinstance(t, torch.Tensor) and t.dim() > 0]}
+
     def state(self) -> Mapping[str, Any]:
         return {"weights": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": state_codec.clone(self.optimizer.state_dict()),

@@ -205,6 +205,11 @@ class CriticBackend(Protocol):
         """Regress the values onto ``returns`` ``[N, T]`` (clipped around ``old_values``); return metrics."""
         ...
 
+    def resident_tensors(self) -> Mapping[str, Any]:
+        """Tensors held between steps, by memory-ledger term (``"critic parameters"``, ``"critic gradients"``,
+        ``"critic optimizer states"``); the dry run measures them against its ledger."""
+        ...
+
     def state(self) -> Mapping[str, Any]:
         """Weights, optimizer and generator state as a tree of JSON data and tensors (private copies)."""
         ...

@@ -270,7 +270,7 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
                                                        "ref_logprobs": "train"})
     if session.critic is not None:
-        session.critic = _Phased(session.critic, meter, {"train_step": "train", "values": "train"})
+        session.critic = _Phased(session.critic, meter, {"train_step": "critic", "values": "critic"})
     started = time.perf_counter()
     longest = [1.0]  # longest response the smoke steps actually generated
 
@@ -297,7 +297,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
 
 def compare(dev: DeviceLedger, meter: "_Meter", wall: float, untrained: bool, steps: int,
             metrics: dict[str, float]) -> SmokeResult:
-    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks.get(p, 0)) for p in PHASES)
+    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks[p]) for p in PHASES
+                   if p in meter.peaks)  # a run without a critic never enters the "critic" phase
     top = max(phases, key=lambda c: c.measured_bytes)
     peak = PhaseComparison(f"peak ({top.phase})", dev.peak_bytes, top.measured_bytes)
     persistent = {f"{t.role} {t.name}": t.bytes for t in dev.terms if t.phase == "persistent" and t.bytes}
@@ -482,12 +483,6 @@ def persistent_bytes(session: Any) -> dict[str, int]:
     if isinstance(ref, torch.nn.Module):
         out["reference parameters"] = size(list(ref.parameters()))
     critic = getattr(session.critic, "_role", session.critic)
-    value_model = getattr(critic, "model", None)
-    if isinstance(value_model, torch.nn.Module):
-        out["critic parameters"] = size(list(value_model.parameters()))
-        out["critic gradients"] = size([p.grad for p in value_model.parameters() if p.grad is not None])
-        critic_opt = getattr(critic, "optimizer", None)
-        if isinstance(critic_opt, torch.optim.Optimizer):
-            out["critic optimizer states"] = size([t for st in critic_opt.state.values() for t in st.values()
-                                                   if isinstance(t, torch.Tensor) and t.dim() > 0])
+    if critic is not None:
+        out.update({term: size(list(tensors)) for term, tensors in critic.resident_tensors().items()})
     return out

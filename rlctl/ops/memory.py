@@ -38,8 +38,9 @@ from rlctl.ops.shapes import ModelShape
 
 GiB = 1 << 30
 MiB = 1 << 20
-Phase = Literal["persistent", "rollout", "train", "sync"]
-PHASES: tuple[Phase, ...] = ("rollout", "train", "sync")
+# "critic" is the value model's update, which runs before (never during) the policy's "train".
+Phase = Literal["persistent", "rollout", "train", "critic", "sync"]
+PHASES: tuple[Phase, ...] = ("rollout", "train", "critic", "sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +256,7 @@ def critic_terms(shape: ModelShape, work: Workload, strat: Strategy, world: int)
              f"P_backbone x {strat.optim_state_bytes}B (AdamW m, v) / {shard(1)}"),
         Term("critic", "master weights", opt_dev * _div(p * master, shard(1)), "persistent",
              f"P_backbone x {master}B fp32 / {shard(1)}"),
-        Term("critic", "activations", activation_bytes(shape, unshared, strat), "train", _act_formula(strat)),
+        Term("critic", "activations", activation_bytes(shape, unshared, strat), "critic", _act_formula(strat)),
     ]
 
 
