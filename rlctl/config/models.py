@@ -110,7 +110,7 @@ class RewardConfig(_Strict):
 
 class KLConfig(_Strict):
     coef: float = Field(0.0, ge=0.0, description="beta; 0 disables the reference model.")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (SPEC R-ALGO-4).")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 (unbiased, noisy), k2 (x^2/2), k3 (unbiased, >= 0).")
     placement: Literal["loss", "reward"] = Field("loss", description="Add to the loss or subtract from the reward.")
 
 
@@ -193,7 +193,8 @@ class TrainConfig(_Strict):
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    log_every: int = Field(1, ge=1, description="Metric logging period in steps.")
+    log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
+                           "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "

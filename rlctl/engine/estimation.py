@@ -111,36 +111,36 @@ class Estimate:
     returns: Any | None = None  # [N, T] critic targets
 
 
-def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, valid: Any, kl: Any,
-             ref_logprobs: Callable[[TrainBatch], Any], values: Callable[[TrainBatch], Any] | None) -> Estimate:
-    """Advantages of one batch: KL into the reward when configured, then the estimator.
+def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, valid: Any, kl_coef: float,
+             kl_estimator: str, ref_logprobs: Callable[[TrainBatch], Any],
+             values: Callable[[TrainBatch], Any] | None) -> Estimate:
+    """Advantages of one batch: the KL penalty into the reward when ``kl_coef`` > 0, then the estimator.
 
-    ``kl`` is the algo.kl config; ``ref_logprobs`` the learner's reference
+    ``kl_coef`` is the coefficient of KL-in-the-reward (0 when the KL goes into
+    the loss, the learner's business); ``ref_logprobs`` the learner's reference
     log-probs; ``values`` the critic's (required when the estimator needs one).
-    With the KL in the reward, an estimator that takes per-token rewards gets
-    the per-token KL; the others get the sequence sum subtracted from the reward.
+    An estimator that takes per-token rewards gets the per-token KL; the others
+    get the sequence sum subtracted from the reward.
     """
-    from rlctl.algo.kl import kl_estimate
+    from rlctl.algo.kl import kl_estimate, kl_shaped_rewards
 
     token_kl = None
-    kl_coef = 0.0
     stats: dict[str, float] = {}
-    if kl.coef > 0 and kl.placement == "reward":
+    if kl_coef > 0:
         ref = ref_logprobs(batch)  # [N, T]
-        token_kl = kl_estimate(batch.behavior_logprobs, ref, kl.estimator) * batch.action_mask  # [N, T]
-        stats["kl_ref_reward"] = float(token_kl.sum() / batch.action_mask.sum().clamp(min=1))
         if estimator.kl_in_token_rewards:
-            kl_coef = kl.coef
+            token_kl = kl_estimate(batch.behavior_logprobs, ref, kl_estimator) * batch.action_mask  # [N, T]
+            stats["kl_ref_reward"] = float(token_kl.sum() / batch.action_mask.sum().clamp(min=1))
         else:
-            rewards = rewards - kl.coef * token_kl.sum(-1).view_as(rewards)
-            token_kl = None
+            rewards = kl_shaped_rewards(rewards, batch.behavior_logprobs, ref, batch.action_mask, kl_coef,
+                                        kl_estimator)
     v = None
     if estimator.needs_critic:
         if values is None:
             raise ValueError("this estimator needs a critic but none was built")
         v = values(batch)  # [N, T]
     inputs = AdvantageInputs(rewards=rewards, valid=valid, action_mask=batch.action_mask, token_kl=token_kl,
-                             kl_coef=kl_coef, values=v)
+                             kl_coef=kl_coef if token_kl is not None else 0.0, values=v)
     adv, adv_stats = estimator.advantages(inputs)
     stats.update({k: float(x) for k, x in adv_stats.items()})
     targets = estimator.value_targets(inputs) if estimator.needs_critic else None

@@ -3,15 +3,15 @@
 What this is: one function you can read top to bottom. Every detail lives in a
 role (rollout backend, reward, learner) or a pure function (rlctl.algo).
 
-What this is not: run bookkeeping (registry, run dir: rlctl.ops.train) or
+What this is not: run bookkeeping (registry, run dir: rlctl.ops.run) or
 display (the CLI passes an observer). It never imports ray, rich or the registry.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from typing import Callable, Mapping, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
@@ -19,6 +19,11 @@ from rlctl.engine.batching import build_batch
 from rlctl.engine.estimation import estimate, sample_groups
 from rlctl.engine.metrics import step_metrics
 from rlctl.engine.session import Session
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+    from rlctl.config.models import RunConfig
 
 Observer = Callable[[int, Mapping[str, float]], None]
 
@@ -29,43 +34,71 @@ class Checkpointer(Protocol):
     def after_step(self, steps_done: int, metrics: Mapping[str, float]) -> None: ...
 
 
-def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer | None = None,
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopSpec:
+    """What the loop needs to know, and nothing else of the run config."""
+
+    steps: int  # total steps of the run (a resumed run starts later, ends here)
+    prompts_per_step: int  # B
+    group_size: int  # G
+    truncation_penalty: float | None = 0.0  # reward of a response cut at max_tokens (None: graded as is)
+    max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
+    kl_coef: float = 0.0
+    kl_placement: Literal["reward", "loss"] = "loss"  # "loss" is the learner's business
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    log_every: int = 1  # sinks get every log_every-th step and the last one
+    mode: Literal["sync"] = "sync"  # later: one-step-off / async
+    max_staleness: int = 0  # policy versions a sample may lag behind (0 in sync mode)
+    max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
+    critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
+
+    @classmethod
+    def from_config(cls, config: "RunConfig") -> "LoopSpec":
+        a = config.algo
+        return cls(steps=config.train.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
+                   truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
+                   kl_coef=a.kl.coef, kl_placement=a.kl.placement, kl_estimator=a.kl.estimator,
+                   log_every=config.train.log_every, max_generated_tokens=config.train.max_generated_tokens,
+                   critic_warmup_steps=a.critic.warmup_steps)
+
+
+def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
              start_step: int = 0, checkpoint: Checkpointer | None = None) -> dict[str, float]:
-    """Run steps ``start_step .. train.steps-1``; return the last step's metrics.
+    """Run steps ``start_step .. spec.steps-1``; return the last step's metrics.
 
     A resumed run passes the restored session and ``start_step`` = the
     checkpoint's completed steps.
     """
-    cfg, s = session.config, session
+    s = session
     answers = {r.id: r.answer for r in s.task.train}
     encoded: dict[str, tuple[int, ...]] = {}
     metrics: dict[str, float] = {}
-    budget = cfg.train.max_generated_tokens
     total_generated = 0.0  # counted from start_step: a resumed run's budget restarts there
 
     def request(p) -> RolloutRequest:
         return RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
-                              group_size=cfg.algo.group_size, sampling=s.sampling, dataset_version=s.task.version)
+                              group_size=spec.group_size, sampling=s.sampling, dataset_version=s.task.version)
 
-    for step in range(start_step, cfg.train.steps):
+    for step in range(start_step, spec.steps):
         sampled = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
-                                answers=answers, estimator=s.estimator, num_prompts=cfg.algo.prompts_per_step,
-                                group_size=cfg.algo.group_size, max_tokens=cfg.rollout.max_tokens,
-                                truncation_penalty=cfg.rollout.truncation_penalty)
+                                answers=answers, estimator=s.estimator, num_prompts=spec.prompts_per_step,
+                                group_size=spec.group_size, max_tokens=spec.max_tokens,
+                                truncation_penalty=spec.truncation_penalty)
         scored = sampled.scored
         t2 = time.perf_counter()
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
         est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
-                       kl=cfg.algo.kl, ref_logprobs=s.learner.ref_logprobs,
-                       values=s.critic.values if s.critic else None)
+                       kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
+                       ref_logprobs=s.learner.ref_logprobs, values=s.critic.values if s.critic else None)
         total_generated += sampled.num_generated_tokens
-        advantages = est.advantages
+        advantages = est.advantages  # [N, T]
         adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
         batch = replace(batch, advantages=advantages.float())
+        trained_version = s.learner.policy_version  # unchanged by train_step when every update is skipped
         learner_stats: dict[str, float] = {}
         if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
             learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
-        if step >= (cfg.algo.critic.warmup_steps if s.critic is not None else 0):  # warm-up: critic only
+        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
             learner_stats.update(s.learner.train_step(batch))
         t3 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
@@ -74,10 +107,10 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
             scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
             advantages=advantages.abs().sum(-1),  # [N]: nonzero on the sequences that carry signal
             verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
-            times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3},
+            times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
         )
-        spent = budget is not None and total_generated >= budget
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or spent:
+        spent = spec.max_generated_tokens is not None and total_generated >= spec.max_generated_tokens
+        if step % spec.log_every == 0 or step == spec.steps - 1 or spent:
             for sink in sinks:
                 sink.write(step, metrics)
         if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics

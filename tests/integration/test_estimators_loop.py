@@ -36,13 +36,13 @@ def _session(plugins, home: Path, *extra: str):
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo"])
 def test_estimator_trains_through_the_loop(name, plugins, _rlctl_home, tiny_policy_dir):
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     extra = ("algo.kl.coef=0.05", "algo.kl.placement=reward") if name == "reinforce_pp" else ()
     session = _session(plugins, _rlctl_home, f"algo.name={name}", "algo.tis_cap=2.0", *extra)
     before = {k: v.clone() for k, v in session.learner.model.state_dict().items()}
     sink = ListSink()
-    run_sync(session, [sink])
+    run_sync(session, LoopSpec.from_config(session.config), [sink])
     assert sorted(sink.rows) == [0, 1]
     last = sink.rows[1]
     for key in ("loss", "grad_norm", "clip_fraction", "tis_weight_mean", "tis_truncated_frac", "generated_tokens"):
@@ -95,12 +95,12 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(plugins, _rlctl_hom
 
 
 def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_home, tiny_policy_dir):
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     session = _session(plugins, _rlctl_home, "train.steps=50", "train.max_generated_tokens=100",
                        "train.log_every=10")
     sink = ListSink()
-    last = run_sync(session, [sink])
+    last = run_sync(session, LoopSpec.from_config(session.config), [sink])
     steps = sorted(sink.rows)
     assert steps[-1] < 49  # stopped by the budget, and the stopping step is logged
     assert last["generated_tokens_total"] >= 100

@@ -35,7 +35,7 @@ def _params(session) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     root = tmp_path_factory.mktemp("ppo") / "checkpoints"
     session = _session(plugins, _rlctl_home)
@@ -44,7 +44,7 @@ def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
     checkpointer = StepCheckpointer(session, store, Provenance(run_id="r", config_hash="h", code_version="c"),
                                     every_steps=2, total_steps=4)
     sink = ListSink()
-    run_sync(session, [sink], checkpoint=checkpointer)
+    run_sync(session, LoopSpec.from_config(session.config), [sink], checkpoint=checkpointer)
     checkpointer.close()
     return session, sink.rows, root
 
@@ -64,7 +64,7 @@ def test_ppo_warm_up_then_both_roles_train(straight):
 
 
 def test_critic_state_is_checkpointed_and_restores_bit_for_bit(plugins, _rlctl_home, straight):
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     done, rows, root = straight
     final = _params(done)
@@ -73,7 +73,7 @@ def test_critic_state_is_checkpointed_and_restores_bit_for_bit(plugins, _rlctl_h
     session = _session(plugins, _rlctl_home)
     restore(session, state, shadow_tolerance=0.0)
     sink = ListSink()
-    run_sync(session, [sink], start_step=2)
+    run_sync(session, LoopSpec.from_config(session.config), [sink], start_step=2)
     for step in (2, 3):
         for name in ("value_loss", "explained_variance", "loss", "reward_mean", "grad_norm"):
             assert sink.rows[step][name] == rows[step][name], (step, name)
