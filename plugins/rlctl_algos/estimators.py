@@ -43,6 +43,7 @@ class _Outcome:
     needs_critic = False
     kl_in_token_rewards = False
     max_sample_rounds = 1
+    min_group_size = 2  # the group is the baseline
 
     def __init__(self, algo: Any, options: Any = None) -> None:
         self.algo = algo
@@ -88,6 +89,7 @@ class ReinforcePP(_Outcome):
     """REINFORCE++: token returns with the KL penalty in the reward, whitened over the whole batch."""
 
     kl_in_token_rewards = True
+    min_group_size = 1  # the batch is the baseline
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
         return reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
@@ -132,6 +134,7 @@ class PPO(_Outcome):
 
     needs_critic = True
     kl_in_token_rewards = True
+    min_group_size = 1  # the critic is the baseline
 
     def _gae(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor]:
         if inputs.values is None:

@@ -133,7 +133,8 @@ class AlgoConfig(_Strict):
     name: str = Field("grpo", description="Registered advantage estimator (grpo, dr_grpo, rloo, reinforce_pp, "
                       "gspo, dapo, ppo; see `rlctl plugins`).")
     options: dict[str, Any] = Field(default_factory=dict, description="Validated by the estimator.")
-    group_size: int = Field(8, ge=1, description="G: samples per prompt (>= 2 for a group baseline).")
+    group_size: int = Field(8, ge=1, description="G: samples per prompt (>= 2 for estimators with a group "
+                            "baseline; ppo and reinforce_pp accept 1).")
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per step; batch = B x G.")
     normalize_std: bool = Field(True, description="grpo: divide group advantages by the group std.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side); gspo and dapo take theirs "
@@ -156,11 +157,6 @@ class AlgoConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AlgoConfig":
-        if self.group_size < 2 and self.name not in SINGLE_SAMPLE_ESTIMATORS:
-            raise ValueError(
-                f"algo.group_size must be >= 2 for {self.name}'s group baseline (got {self.group_size}); "
-                "set algo.group_size=8"
-            )
         batch = self.group_size * self.prompts_per_step
         if batch % self.num_mini_batches:
             raise ValueError(
@@ -169,9 +165,6 @@ class AlgoConfig(_Strict):
             )
         return self
 
-
-# Estimators whose baseline is not the group (a critic or the batch): G = 1 is allowed.
-SINGLE_SAMPLE_ESTIMATORS = ("ppo", "reinforce_pp")
 
 
 class OptimConfig(_Strict):

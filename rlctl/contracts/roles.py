@@ -227,7 +227,8 @@ class AdvantageEstimator(Protocol):
     estimator consumes per-token KL itself (else the engine subtracts the
     sequence KL from the rewards when the KL goes into the reward);
     ``max_sample_rounds`` bounds the rollout rounds of one step when
-    ``keep_groups`` drops groups (1 = no refill).
+    ``keep_groups`` drops groups (1 = no refill); ``min_group_size`` is the
+    smallest G it works with (2 for a group baseline).
     """
 
     policy_loss: str
@@ -236,6 +237,7 @@ class AdvantageEstimator(Protocol):
     needs_critic: bool
     kl_in_token_rewards: bool
     max_sample_rounds: int
+    min_group_size: int
 
     def shape_rewards(self, rewards: Any, lengths: Any, max_tokens: int) -> Any:
         """Rewards ``[B, G]`` after length shaping (identity for most estimators)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlctl.config.models import RunConfig
-from rlctl.contracts.errors import DataError
+from rlctl.contracts.errors import ConfigError, DataError
 from rlctl.contracts.roles import AdvantageEstimator, CriticBackend, LearnerBackend, RolloutBackend
 from rlctl.contracts.types import (
     CriticContext,
@@ -76,8 +76,12 @@ def resolve_policy_dir(config: RunConfig, task: TaskData, cache_root: Path,
 
 def build_estimator(config: RunConfig, plugins: Plugins) -> AdvantageEstimator:
     """The advantage estimator named by ``algo.name``, its ``algo.options`` validated by its plugin."""
-    return plugins.build("advantage_estimator", config.algo.name, config.algo.options, "algo.options",
-                         algo=config.algo)
+    estimator = plugins.build("advantage_estimator", config.algo.name, config.algo.options, "algo.options",
+                              algo=config.algo)
+    if config.algo.group_size < estimator.min_group_size:
+        raise ConfigError(f"algo.group_size must be >= {estimator.min_group_size} for {config.algo.name}'s group "
+                          f"baseline (got {config.algo.group_size})", "set algo.group_size=8")
+    return estimator
 
 
 def policy_loss(config: RunConfig, estimator: AdvantageEstimator) -> PolicyLoss:

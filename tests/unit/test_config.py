@@ -274,7 +274,7 @@ def test_validate_names_the_source() -> None:
 
 
 def test_every_config_error_has_a_hint() -> None:
-    for overrides in (["algo.grup_size=4"], ["algo.group_size=1"], ["algo.group_size=abc"], ["nokey"]):
+    for overrides in (["algo.grup_size=4"], ["algo.group_size=0"], ["algo.group_size=abc"], ["nokey"]):
         with pytest.raises(ConfigError) as info:
             load_config(None, overrides)
         assert info.value.hint

@@ -107,10 +107,10 @@ def test_dapo_filters_and_shapes():
 
 
 def test_group_size_one_only_for_estimators_without_a_group_baseline():
-    AlgoConfig(name="ppo", group_size=1)
-    AlgoConfig(name="reinforce_pp", group_size=1)
-    with pytest.raises(ValueError, match="group baseline"):
-        AlgoConfig(name="rloo", group_size=1)
+    for name in ("ppo", "reinforce_pp"):
+        build_estimator(RunConfig(algo=AlgoConfig(name=name, group_size=1, prompts_per_step=2)), PLUGINS)
+    with pytest.raises(ConfigError, match="group baseline"):
+        build_estimator(RunConfig(algo=AlgoConfig(name="rloo", group_size=1, prompts_per_step=2)), PLUGINS)
 
 
 def test_a_third_party_estimator_is_selected_by_name():
