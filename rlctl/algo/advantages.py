@@ -143,11 +143,18 @@ def rloo_advantages(rewards: Tensor, valid: Tensor | None = None) -> tuple[Tenso
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / (std + eps)`` over the masked entries (biased std), 0 elsewhere; fp32."""
+    """``(x - mean) / (std + eps)`` over the masked entries (biased std), 0 elsewhere; fp32.
+
+    All-equal masked values carry no signal and give exactly 0 (decided from
+    max == min, because the rounded mean of equal values can differ from them
+    by an ulp, which divided by a ~0 std would be noise of order 1).
+    """
     m = mask.bool()
     x = values.to(_compute_dtype(values))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    count = m.sum().clamp(min=1).to(x.dtype)
+    if not bool(m.any()) or bool(x[m].max() == x[m].min()):
+        return torch.zeros_like(x)
+    count = m.sum().to(x.dtype)
     mean = torch.where(m, x, zero).sum() / count
     var = torch.where(m, (x - mean) ** 2, zero).sum() / count
     return torch.where(m, (x - mean) / (var.sqrt() + eps), zero)

@@ -252,3 +252,9 @@ def test_whiten_masked():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     out = whiten(x, torch.tensor([[1.0, 1.0, 0.0]]))
     _close(out, [[-1.0, 1.0, 0.0]], tol=1e-6)
+
+
+def test_whiten_all_equal_is_exactly_zero():
+    x = torch.full((3, 1), 0.05739260442269645)
+    assert torch.equal(whiten(x, torch.ones(3, 1)), torch.zeros(3, 1))
+    assert torch.equal(whiten(x, torch.zeros(3, 1)), torch.zeros(3, 1))
