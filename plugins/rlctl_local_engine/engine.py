@@ -95,7 +95,8 @@ class LocalEngine:
         if missing:
             raise RoleError(f"weight update v{update.version} lacks {len(missing)} tensor(s), e.g. {missing[0]}",
                             "publish the full state dict")
-        staged = {k: v.detach().to(current[k].dtype).clone() for k, v in update.state_dict.items() if k in current}
+        # No clone: load_state_dict copies into the model, and what is hashed here is exactly what it copies.
+        staged = {k: v.detach().to(current[k].dtype) for k, v in update.state_dict.items() if k in current}
         got = fingerprint(staged)
         if got != update.fingerprint:
             raise RoleError(f"weight update v{update.version} fingerprint mismatch ({got} != {update.fingerprint})",

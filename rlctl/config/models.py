@@ -176,6 +176,18 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps.")
 
 
+class MetricSinkSpec(_Strict):
+    """A metric sink with options, e.g. ``{name: mlflow, options: {experiment: arith}}``."""
+
+    name: str = Field(description="Registered metric sink name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the sink.")
+
+
+def sink_specs(entries: list[str | MetricSinkSpec]) -> list[tuple[str, dict[str, Any]]]:
+    """``train.metric_sinks`` as (name, options) pairs; a bare name has no options."""
+    return [(e, {}) if isinstance(e, str) else (e.name, e.options) for e in entries]
+
+
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps.")
     max_generated_tokens: int | None = Field(
@@ -188,7 +200,11 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
                            "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
-    metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
+    metric_sinks: list[str | MetricSinkSpec] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Metric sinks besides the registry: a name (jsonl, tensorboard, mlflow, wandb) or "
+        "{name, options} with options validated by that sink.",
+    )
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."

@@ -29,7 +29,7 @@ BUILTINS = {
     "learner_backend": ["torch"],
     "critic_backend": ["torch"],
     "reward_function": ["format", "length", "math"],
-    "metric_sink": ["jsonl"],
+    "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
 }
 BUILTIN_PLUGINS = {
@@ -38,7 +38,7 @@ BUILTIN_PLUGINS = {
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
-    "sinks": {"metric sink": ("jsonl",)},
+    "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
 }
 
