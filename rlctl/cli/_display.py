@@ -41,6 +41,7 @@ class TrainDisplay:
         self._warm = None
         self._steps = None
         self.run_id: str | None = None
+        self.label = "RL"  # the estimator's name once the run is known
         self.every = 1
         self.first = 0
         self._t0 = self._warm_t0 = time.monotonic()
@@ -97,11 +98,12 @@ class TrainDisplay:
 
     def run_started(self, run: RunRecord) -> None:
         self.run_id = run.id
+        self.label = str(run.config.get("algo", {}).get("name", "rl")).upper()  # the estimator: GRPO, PPO, ...
         if self.plain:
             self.line(f"run {run.id} -> {run.run_dir}")
             return
         self.progress.console.print(f"run [bold]{run.id}[/] -> {run.run_dir}")
-        self._steps = self.progress.add_task("GRPO", total=self.total, info="")
+        self._steps = self.progress.add_task(self.label, total=self.total, info="")
 
     def start(self, first_step: int, total_steps: int, log_every: int = 1) -> None:
         self.total, self.every, self.first = total_steps, max(1, log_every), first_step
@@ -123,7 +125,7 @@ class TrainDisplay:
             if step % self.every == 0 or step == self.total - 1:
                 done = step + 1 - self.first
                 timing = _timing(time.monotonic() - self._t0, done, self.total - self.first)
-                self.line(f"GRPO step {step + 1}/{self.total}  {info}  {timing}")
+                self.line(f"{self.label} step {step + 1}/{self.total}  {info}  {timing}")
             return
         self.progress.update(self._steps, completed=step + 1, info=info)
 
