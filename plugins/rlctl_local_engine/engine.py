@@ -23,6 +23,7 @@ import torch
 
 from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
+from rlctl.engine.faults import fault_site
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_local_engine.options import LocalEngineOptions
@@ -42,6 +43,7 @@ class LocalEngine:
         self._calls = 0
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        fault_site("rollout.generate", requests=len(requests))
         out: list[Trajectory] = []
         chunk: list[RolloutRequest] = []
         rows = 0

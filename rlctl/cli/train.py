@@ -24,7 +24,10 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
           resume: Optional[str] = typer.Option(None, "--resume", help="Continue this run (id or unique prefix) "
                                                "from its newest committed checkpoint instead of starting a new one."),
           allow_config_change: bool = AllowChangeOpt, registry: Optional[str] = RegistryOpt,
-          json_out: bool = JsonOpt) -> None:
+          json_out: bool = JsonOpt,
+          supervise: bool = typer.Option(False, "--supervise", help="Run training in a child process and restart "
+                                         "it from the newest committed checkpoint if it crashes "
+                                         "(up to faults.max_restarts times).")) -> None:
     """Train a policy: rollout -> reward -> advantage -> update -> weight sync, for train.steps steps."""
     if resume is not None:
         if run_dir is not None:
@@ -40,6 +43,9 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
     from rlctl.ops.train import train as run_train
 
     cfg = load_config(config, overrides or [])
+    if supervise:
+        _supervised(config, overrides or [], cfg.faults.max_restarts, run_dir, registry, json_out)
+        return
     plugins = load_plugins()
     run_and_render(cfg.train.steps, registry, json_out, lambda reg, cb: run_train(
         cfg, registry=reg, plugins=plugins, home=rlctl_home(), run_dir=run_dir, callbacks=cb))
@@ -101,3 +107,22 @@ def sft(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg,
         _output.print_json({"policy_dir": str(path), "dataset_version": task.version})
     else:
         _output.console.print(f"warm-started policy: {path}")
+
+
+def _supervised(config: Path, overrides: List[str], max_restarts: int, run_dir: Optional[Path],
+                registry: Optional[str], json_out: bool) -> None:
+    """``train --supervise``: the child trains; a crash is resumed from the newest committed checkpoint."""
+    import time
+
+    from rlctl.ops.supervise import supervise
+
+    directory = run_dir or rlctl_home() / "runs" / f"supervised-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6}"
+    env = {"RLCTL_REGISTRY_URL": registry} if registry else {}
+    result = supervise([str(config), *overrides, *(["--json"] if json_out else [])], directory,
+                       max_restarts=max_restarts, open_registry=lambda: open_registry(registry), env=env,
+                       say=lambda m: _output.err_console.print(m, markup=False, highlight=False))
+    if not json_out:
+        _output.console.print(f"supervisor: run {result.run_id} exit {result.exit_code} after {result.restarts} "
+                              f"restart(s) in {result.wall_s:.1f}s")
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)

@@ -155,10 +155,29 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Fault(Protocol):
+    """An injectable fault kind (``rlctl inject --fault KIND``): arms handlers at real failure sites."""
+
+    def arm(self, ctx: Any) -> Any:
+        """Arm this fault for a run (``ctx`` is a rlctl.engine.faults.FaultContext); return a disarm function."""
+        ...
+
+
+@runtime_checkable
+class LrScalable(Protocol):
+    """A learner whose learning rate can be lowered mid-run (the NaN rollback does)."""
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate by ``factor`` for the rest of the run; return the new base LR."""
+        ...
+
+
 ROLE_PROTOCOLS: dict[str, type] = {
     "task_source": TaskSource,
     "rollout_backend": RolloutBackend,
     "reward_function": RewardFunction,
     "learner_backend": LearnerBackend,
     "metric_sink": MetricSink,
+    "fault": Fault,
 }

@@ -15,9 +15,10 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
-from rlctl.engine.batching import build_batch, group_rewards
+from rlctl.contracts.errors import RoleError
+from rlctl.engine.batching import build_batch, drop_unscored_groups, group_rewards
 from rlctl.engine.metrics import step_metrics
-from rlctl.engine.scoring import score_all
+from rlctl.engine.scoring import rescore_failed, score_all
 from rlctl.engine.session import Session
 
 Observer = Callable[[int, Mapping[str, float]], None]
@@ -52,6 +53,12 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
         trajectories = s.rollout.generate(requests)
         t1 = time.perf_counter()
         scored, verify_latencies = score_all(trajectories, answers, s.reward, cfg.rollout.truncation_penalty)
+        scored, verify_stats = rescore_failed(scored, answers, s.reward_factory or (lambda: s.reward),
+                                              cfg.faults.verifier_retries, cfg.rollout.truncation_penalty)
+        scored, dropped = drop_unscored_groups(scored, cfg.algo.group_size)
+        if not scored:
+            raise RoleError(f"step {step}: every group had a sample the grader could not score after "
+                            f"{cfg.faults.verifier_retries} retries", "see `rlctl runbook show verifier-timeouts`")
         t2 = time.perf_counter()
         rewards, valid = group_rewards(scored, cfg.algo.group_size)  # [B, G]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
@@ -70,7 +77,8 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
             scored=scored, learner_stats=learner_stats, adv_stats=adv_stats, advantages=advantages,
             verify_latencies=verify_latencies, learner_version=s.learner.policy_version,
             times={"T_r": t1 - t0, "T_v": t2 - t1, "T_l": t3 - t2, "T_s": t4 - t3},
-        )
+            dropped=dropped, group_size=cfg.algo.group_size,
+        ) | verify_stats
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             for sink in sinks:
                 sink.write(step, metrics)

@@ -7,7 +7,7 @@ What this is not: storage (metric sinks) or display (the CLI).
 
 Names: reward_mean, reward_std, reward/<component>, kl_ref, entropy,
 response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
-nan_inf_skipped_steps, reward_error_count, T_r, T_v, T_l, T_s, step_time_s,
+nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
 logprob_mismatch_mean/max, policy_version.
@@ -23,11 +23,14 @@ from rlctl.contracts.types import TerminalReason, Trajectory
 
 def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
                  advantages: Any, verify_latencies: Sequence[float], learner_version: int,
-                 times: Mapping[str, float]) -> dict[str, float]:
+                 times: Mapping[str, float], dropped: Sequence[Trajectory] = (),
+                 group_size: int = 1) -> dict[str, float]:
+    """``dropped`` are the trajectories of groups dropped before training: generated, never learned from."""
     ok = [t for t in scored if t.reward_error is None]
     rewards = [float(t.reward) for t in ok if t.reward is not None]
     lengths = [t.num_response_tokens for t in scored]
-    generated = sum(lengths)
+    generated = sum(lengths) + sum(t.num_response_tokens for t in dropped)
+    num_generated = len(scored) + len(dropped)
     informative = (advantages.flatten() != 0).tolist()
     learned = sum(n for n, keep in zip(lengths, informative) if keep)
     useful = sum(1 for t, keep in zip(scored, informative) if keep and t.reward_error is None)
@@ -38,10 +41,12 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         "response_length_mean": _mean(lengths),
         "response_length_max": float(max(lengths, default=0)),
         "truncated_frac": _mean([t.terminal_reason is TerminalReason.LENGTH for t in scored]),
-        "reward_error_count": float(len(scored) - len(ok)),
+        "reward_error_count": float(num_generated - len(ok)),
+        "reward_error_frac": (num_generated - len(ok)) / num_generated if num_generated else 0.0,
+        "groups_dropped": float(len(dropped) // max(group_size, 1)),
         "generated_tokens_per_s": generated / times["T_r"] if times["T_r"] > 0 else 0.0,
         "learned_tokens_per_s": learned / times["T_l"] if times["T_l"] > 0 else 0.0,
-        "esr": useful / len(scored) if scored else 0.0,
+        "esr": useful / num_generated if num_generated else 0.0,
         "step_time_s": step_time,
         "policy_version": float(learner_version),
         "staleness_mean": _mean([learner_version - 1 - t.policy_version for t in scored]),

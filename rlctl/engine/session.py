@@ -34,6 +34,7 @@ class Session:
     reward: MixedReward
     cursor: PromptCursor
     sampling: SamplingConfig
+    reward_factory: Callable[[], MixedReward] | None = None  # a fresh grader, for retries after a timeout/crash
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
@@ -114,4 +115,5 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                                                deterministic=config.train.deterministic))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
-                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config))
+                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config),
+                   reward_factory=lambda: build_reward(config, plugins))

@@ -38,6 +38,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "learner_backend": ("register_learner_backends", "learner_backend", "learner backend"),
     "reward_function": ("register_reward_functions", "reward_function", "reward function"),
     "metric_sink": ("register_metric_sinks", "metric_sink", "metric sink"),
+    "fault": ("register_faults", "fault", "fault"),
 }
 
 

@@ -66,6 +66,10 @@ def resume(run_ref: str, *, registry: Registry, plugins: Plugins, home: Path, co
                                   f"resume {state.run_id} instead")
         for message in skipped:
             warn(message)
+        if skipped:
+            registry.add_event(run.id, "checkpoint_fallback", f"fell back to {Path(path).name}: {len(skipped)} newer "
+                               f"checkpoint(s) failed verification", {"checkpoint": path, "step": state.step,
+                                                                      "skipped": skipped, "num_skipped": len(skipped)})
         reconcile(registry, run.id, store)
         config = resume_config(state, config_path, overrides)
         if config.train.steps < state.step:

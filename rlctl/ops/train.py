@@ -101,10 +101,12 @@ def execute(session: Any, run: RunRecord, directory: Path, *, registry: Registry
     newest committed checkpoint.
     """
     from rlctl.engine.loop import run_sync
+    from rlctl.ops.recovery import RunGuard
 
     config, cb = session.config, callbacks
     sinks: list[Any] = []
     checkpointer = None
+    guard = None
     status, last = "failed", {}
     with _sigterm_as_interrupt():
         try:
@@ -116,15 +118,19 @@ def execute(session: Any, run: RunRecord, directory: Path, *, registry: Registry
             sinks = _sinks(config, registry, plugins, run, directory)
             checkpointer = _checkpointer(session, run, directory, registry, plugins, cb)
             plugins.pm.hook.on_run_start(run_id=run.id, config=run.config)
+            guard = RunGuard(session, run.id, directory, registry, plugins, run_warner(registry, run.id, cb),
+                             start_step).start(checkpointer)
 
             def on_step(step: int, metrics: Mapping[str, float]) -> None:
                 plugins.pm.hook.on_step_end(run_id=run.id, step=step, metrics=metrics)
                 if cb.step:
                     cb.step(step, metrics)
+                guard.on_step_end(step, metrics)  # recovery events, alerts; may roll back after NaN steps
 
             if cb.start:
                 cb.start(start_step, config.train.steps)
-            last = run_sync(session, sinks, on_step, start_step=start_step, checkpoint=checkpointer)
+            last = guard.run(lambda first: run_sync(session, sinks, on_step, start_step=first, checkpoint=checkpointer),
+                             start_step, checkpointer)
             checkpointer.close()
             _save_policy(session, directory / "policy" / "final")
             status = "succeeded"
@@ -139,6 +145,8 @@ def execute(session: Any, run: RunRecord, directory: Path, *, registry: Registry
             registry.add_event(run.id, "failed", f"{type(err).__name__}: {err}")
             raise
         finally:
+            if guard is not None:
+                guard.close()
             for sink in sinks:
                 sink.close()
             if status != "failed":
