@@ -7,7 +7,7 @@ What this is not: storage (metric sinks) or display (the CLI).
 
 Names: reward_mean, reward_std, reward/<component>, kl_ref, entropy,
 response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
-nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, T_r, T_v, T_l, T_s, step_time_s,
+nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
 logprob_mismatch_mean/max, policy_version.
@@ -53,6 +53,7 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         "staleness_max": float(max((learner_version - 1 - t.policy_version for t in scored), default=0)),
     }
     out["effective_tokens_per_s"] = out["generated_tokens_per_s"] * out["esr"]
+    out["reward_length_corr"] = _corr(rewards, [t.num_response_tokens for t in ok if t.reward is not None])
     for name in sorted({k for t in ok for k in t.reward_components}):
         out[f"reward/{name}"] = _mean([t.reward_components.get(name, 0.0) for t in ok])
     for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
@@ -65,6 +66,16 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
 
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _corr(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Pearson correlation (0 when either side is constant): a reward that tracks length is a hacking sign."""
+    if len(xs) < 2:
+        return 0.0
+    mx, my = _mean(xs), _mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return float(sxy / (sxx * syy) ** 0.5) if sxx > 0 and syy > 0 else 0.0
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

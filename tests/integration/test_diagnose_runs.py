@@ -15,7 +15,7 @@ from tests.conftest import TINY_OVERRIDES
 pytestmark = pytest.mark.slow
 
 BASE = [*TINY_OVERRIDES, "train.deterministic=true", "eval.at_end=false", "train.metric_sinks=[]",
-        "checkpoint.every_steps=0", "train.optim.lr=1e-3", "train.steps=8"]
+        "checkpoint.every_steps=0", "train.optim.lr=1e-3", "train.steps=8", "algo.num_mini_batches=4"]
 
 CASES = {
     "nan injection": (["faults.inject=[{kind: nan, at_step: 3, count: 2}]", "faults.nan_rollback_after=5"],
@@ -23,7 +23,7 @@ CASES = {
     "30% verifier timeouts": (["faults.inject=[{kind: verifier-timeout, rate: 0.3}]"],
                               "grader", "verifier-timeouts"),
     "reward pays for length": (["reward.components=[{name: length, weight: -2.0, options: {target_tokens: 0}}]",
-                                "rollout.truncation_penalty=null", "rollout.max_tokens=12"],
+                                "rollout.truncation_penalty=null", "rollout.max_tokens=16"],
                                "hacking", "length-collapse-or-reward-hacking"),
     "learning rate 30x too high": (["train.optim.lr=3e-2"], "instability", "instability"),
 }

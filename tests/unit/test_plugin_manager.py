@@ -29,6 +29,7 @@ BUILTINS = {
     "learner_backend": ["torch"],
     "reward_function": ["format", "length", "math"],
     "metric_sink": ["jsonl"],
+    "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl")},
@@ -37,6 +38,8 @@ BUILTIN_PLUGINS = {
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
     "sinks": {"metric sink": ("jsonl",)},
+    "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
+                         "verifier-timeout")},
 }
 
 
