@@ -117,3 +117,16 @@ def test_a_verdict_is_not_retried() -> None:
     scored, _ = score_all([_traj("a", 0)], {"a": "1"}, Invalid(), None)
     _, stats = rescore_failed(scored, {"a": "1"}, Invalid, 3, None)
     assert stats["verifier_retries"] == 0
+
+
+def test_jsonl_sink_rewrites_steps_re_run_in_the_same_process(tmp_path) -> None:
+    import json
+
+    from rlctl_sinks.jsonl import JsonlSink
+
+    sink = JsonlSink(tmp_path)
+    for step in (0, 1, 2, 3, 2, 3, 4):  # a rollback to step 2 after step 3
+        sink.write(step, {"x": float(step)})
+    sink.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]
