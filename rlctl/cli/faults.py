@@ -38,7 +38,7 @@ def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom,
         raise typer.BadParameter("pass either CONFIG (a new run) or --run RUN")
     if run is None:
         train_cmd(config=config, overrides=[*(overrides or []), fault_override(spec)], run_dir=run_dir, resume=None,
-                  allow_config_change=False, registry=registry, json_out=json_out, supervise=supervise)
+                  allow_config_change=False, seeds=None, registry=registry, json_out=json_out, supervise=supervise)
         return
     with open_registry(registry) as reg:
         rec = reg.get_run(run)

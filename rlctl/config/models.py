@@ -28,9 +28,20 @@ class WarmStartConfig(_Strict):
     """Short supervised stage that gives the built-in tiny model a starting policy."""
 
     enabled: bool = Field(True, description="Run SFT before RL when the model is built in.")
-    steps: int = Field(600, ge=0, description="Supervised optimizer steps.")
+    steps: int = Field(600, ge=0, description="Supervised optimizer steps; with target_dev_accuracy, the cap.")
     batch_size: int = Field(64, ge=1, description="Sequences per SFT step.")
-    lr: float = Field(3e-3, gt=0, description="Peak SFT learning rate (cosine decay).")
+    lr: float = Field(3e-3, gt=0, description="Peak SFT learning rate (cosine decay over `steps`).")
+    target_dev_accuracy: float | None = Field(
+        None, gt=0, le=1, description="Stop as soon as greedy exact-answer accuracy on the first eval_prompts dev "
+        "prompts reaches this (checked every eval_every steps), so every CPU starts RL from about the same "
+        "policy; a warning says so when `steps` is reached first. null = run exactly `steps` steps.",
+    )
+    eval_every: int = Field(100, ge=1, description="Steps between dev checks of target_dev_accuracy.")
+    eval_prompts: int = Field(300, ge=1, description="Dev prompts in each check of target_dev_accuracy.")
+    seed: int | None = Field(
+        None, description="Seed of the warm start's init and data order; null = run.seed. Runs with different "
+        "run.seed and the same warm_start.seed share one cached warm start (rlctl train --seeds does this).",
+    )
 
 
 class ModelConfig(_Strict):
@@ -154,14 +165,34 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps.")
 
 
+class MetricSinkSpec(_Strict):
+    """A metric sink with options, e.g. ``{name: mlflow, options: {experiment: arith}}``."""
+
+    name: str = Field(description="Registered metric sink name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the sink.")
+
+
+def sink_specs(entries: list[str | MetricSinkSpec]) -> list[tuple[str, dict[str, Any]]]:
+    """``train.metric_sinks`` as (name, options) pairs; a bare name has no options."""
+    return [(e, {}) if isinstance(e, str) else (e.name, e.options) for e in entries]
+
+
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps.")
+    seeds: int = Field(
+        1, ge=1, le=32, description="RL seeds run one after another from the same warm start (run.seed, run.seed+1, "
+        "...), each its own run, reported together with a pooled CI; `rlctl train --seeds N` overrides it.",
+    )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
                            "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
-    metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
+    metric_sinks: list[str | MetricSinkSpec] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Metric sinks besides the registry: a name (jsonl, tensorboard, mlflow, wandb) or "
+        "{name, options} with options validated by that sink.",
+    )
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."

@@ -62,7 +62,9 @@ def register_reward_functions(register: Register) -> None:
 def register_metric_sinks(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, options=Model|None)``.
 
-    ``factory(run_dir, run_id)`` returns a MetricSink.
+    ``factory(options, run_dir, run_id)`` returns a MetricSink. The run's
+    provenance (config hash, seed, dataset version) is in ``<run_dir>/run.json``
+    when the factory is called.
     """
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlctl.config.models import RunConfig
+from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
@@ -148,8 +148,8 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         comp = plugins.get(kind, name)
         validate_options(comp.options, opts, where)
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
-    for sink in config.train.metric_sinks:
-        plugins.get("metric_sink", sink)
+    for i, (sink, opts) in enumerate(sink_specs(config.train.metric_sinks)):
+        validate_options(plugins.get("metric_sink", sink).options, opts, f"train.metric_sinks.{i}.options")
     reward = build_reward(config, plugins)
     checks.append(Check("reward", True, reward.version))
     task = load_task(config, plugins)

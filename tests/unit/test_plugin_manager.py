@@ -28,7 +28,7 @@ BUILTINS = {
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
     "reward_function": ["format", "length", "math"],
-    "metric_sink": ["jsonl"],
+    "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
@@ -37,7 +37,7 @@ BUILTIN_PLUGINS = {
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
-    "sinks": {"metric sink": ("jsonl",)},
+    "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
                          "verifier-timeout")},
 }
