@@ -23,6 +23,7 @@ import torch
 
 from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
+from rlctl.engine.faults import fault_site
 from rlctl.engine.weight_apply import apply_update
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
@@ -50,6 +51,7 @@ class LocalEngine:
         requests (indices into ``requests``) to stop: their rows end with
         TerminalReason.ABORT at once, so nobody's work keeps a core busy.
         """
+        fault_site("rollout.generate", requests=len(requests))
         out: list[Trajectory] = []
         chunk: list[RolloutRequest] = []
         first, rows = 0, 0

@@ -250,11 +250,41 @@ class CheckpointConfig(_Strict):
     )
 
 
+class FaultSpec(_Strict):
+    """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
+
+    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, "
+                      "bad-checkpoint, learner-crash, slow-rollout (see `rlctl plugins`).")
+    at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
+    count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
+    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples hit (verifier faults).")
+    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint); "
+                               "default: the kind's own role.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the fault plugin.")
+
+
+class FaultsConfig(_Strict):
+    """Injected faults and the recovery policies that answer them."""
+
+    inject: list[FaultSpec] = Field(default_factory=list, description="Faults to inject (none by default).")
+    verifier_retries: int = Field(2, ge=0, description="Re-score a timed-out / errored sample with a fresh "
+                                  "grader up to N times; past that its whole group is dropped and counted.")
+    nan_rollback_after: int = Field(3, ge=1, description="After K NaN/Inf-skipped steps in a row, roll back to the "
+                                    "last committed checkpoint.")
+    rollback_lr_factor: float = Field(0.5, gt=0, lt=1, description="Learning-rate multiplier after a NaN rollback.")
+    max_rollbacks: int = Field(2, ge=0, description="NaN rollbacks allowed per run before it stops.")
+    watchdog_timeout_s: float = Field(0.0, ge=0, description="Report a role that makes no progress for this long "
+                                      "(role, phase, stack dump) and stop the run; 0 = off.")
+    max_restarts: int = Field(3, ge=0, description="`rlctl train --supervise`: restarts after a crash.")
+    alerts: bool = Field(True, description="Evaluate the runbook triggers after every step (live alerts).")
+
+
 # Config paths a resume may change without --allow-config-change: they do not
 # change what the next step computes. A path covers everything below it.
 RESUME_MUTABLE_PATHS = (
     "run.name", "train.steps", "train.log_every", "train.metric_sinks", "eval", "checkpoint.every_steps",
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
+    "faults",
 )
 
 
@@ -278,3 +308,4 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)

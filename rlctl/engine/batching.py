@@ -92,3 +92,18 @@ def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[
     rewards = torch.tensor([t.reward if t.reward is not None else float("nan") for t in trajectories],
                            dtype=torch.float32).view(b, group_size)
     return rewards, valid
+
+
+def drop_unscored_groups(trajectories: Sequence[Trajectory], group_size: int) -> tuple[list[Trajectory], list[Trajectory]]:
+    """``(kept, dropped)``: a group with any sample lacking a reward is dropped whole, never trained partially.
+
+    A partial group would compute its baseline from the samples that happened
+    to be scored and so shift every advantage in it; the dropped samples are
+    counted by the caller (``groups_dropped``), never scored as zero.
+    """
+    kept: list[Trajectory] = []
+    dropped: list[Trajectory] = []
+    for g in range(0, len(trajectories), group_size):
+        group = trajectories[g:g + group_size]
+        (dropped if any(t.reward_error is not None for t in group) else kept).extend(group)
+    return kept, dropped

@@ -69,7 +69,7 @@ from rlctl.contracts.types import (
 )
 from rlctl.engine import state_codec
 from rlctl.engine.durable import fsync_path, write_dir_durably
-from rlctl.engine.faults import crash_point
+from rlctl.engine.faults import crash_point, fault_site
 
 COMMITTED = "COMMITTED"
 _TMP_MANIFEST = "COMMITTED.tmp"
@@ -209,6 +209,7 @@ class DiskCheckpointStore:
                 shutil.rmtree(target, ignore_errors=True)
             raise
         self._notify(self.on_commit, target, manifest, "record")
+        fault_site("checkpoint.committed", path=str(target), step=state.step)  # bit rot after commit (injected)
         crash_point("ckpt.registry_row")
         self.apply_retention()
 

@@ -43,6 +43,7 @@ class Session:
     sampling: SamplingConfig
     estimator: AdvantageEstimator
     critic: CriticBackend | None = None  # the value model, when the estimator needs one
+    reward_factory: Callable[[], MixedReward] | None = None  # a fresh grader, for retries after a timeout/crash
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
@@ -158,4 +159,5 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                    rollout=rollout, learner=learner, reward=reward,
                    cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config),
                    estimator=estimator,
-                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None)
+                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None,
+                   reward_factory=lambda: build_reward(config, plugins))

@@ -31,6 +31,7 @@ BUILTINS = {
     "reward_function": ["format", "length", "math"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
+    "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl")},
@@ -40,6 +41,8 @@ BUILTIN_PLUGINS = {
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
+    "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
+                         "verifier-timeout")},
 }
 
 
