@@ -27,7 +27,7 @@ BUILTINS = {
     "task_source": ["arith", "jsonl"],
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
-    "reward_function": ["format", "length", "math"],
+    "reward_function": ["code", "format", "length", "math"],
     "metric_sink": ["jsonl"],
 }
 BUILTIN_PLUGINS = {
