@@ -51,7 +51,8 @@ def run_sync(session: Session, sinks: Sequence[MetricSink], observer: Observer |
                                    dataset_version=s.task.version) for p in prompts]
         trajectories = s.rollout.generate(requests)
         t1 = time.perf_counter()
-        scored, verify_latencies = score_all(trajectories, answers, s.reward, cfg.rollout.truncation_penalty)
+        scored, verify_latencies = score_all(trajectories, answers, s.reward, cfg.rollout.truncation_penalty,
+                                              pool=s.reward_pool)
         t2 = time.perf_counter()
         rewards, valid = group_rewards(scored, cfg.algo.group_size)  # [B, G]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)

@@ -34,6 +34,7 @@ class Session:
     reward: MixedReward
     cursor: PromptCursor
     sampling: SamplingConfig
+    reward_pool: Any = None  # a RewardPool when reward.workers > 1; the loop then grades through it
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
@@ -52,6 +53,25 @@ def build_reward(config: RunConfig, plugins: Plugins) -> MixedReward:
         fn = plugins.build("reward_function", comp.name, comp.options, f"reward.components.{i}.options")
         parts.append((comp.name, comp.weight, fn))
     return MixedReward(parts)
+
+
+def reward_from_config(config: RunConfig) -> MixedReward:
+    """The run's mixed reward built from scratch (a reward worker process calls this)."""
+    from rlctl.hooks.manager import load_plugins
+
+    return build_reward(config, load_plugins())
+
+
+def build_reward_pool(config: RunConfig) -> Any:
+    """A process pool of ``reward.workers`` graders, or None for in-process grading."""
+    if config.reward.workers <= 1:
+        return None
+    from functools import partial
+
+    from rlctl.engine.reward_pool import ProcessRewardPool
+
+    r = config.reward
+    return ProcessRewardPool(partial(reward_from_config, config), r.workers, timeout_s=r.timeout_s, retries=r.retries)
 
 
 def resolve_policy_dir(config: RunConfig, task: TaskData, cache_root: Path,
@@ -114,4 +134,5 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                                                deterministic=config.train.deterministic))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
-                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config))
+                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config),
+                   reward_pool=build_reward_pool(config))

@@ -145,6 +145,8 @@ def execute(session: Any, run: RunRecord, directory: Path, *, registry: Registry
                 registry.update_run(run.id, status=status)
             plugins.pm.hook.on_run_end(run_id=run.id, status=status)
             session.rollout.close()
+            if getattr(session, "reward_pool", None) is not None:
+                session.reward_pool.close()
             if lock is not None:
                 lock.release()
     wall = time.perf_counter() - started
