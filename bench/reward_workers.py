@@ -1,13 +1,14 @@
 """Reward throughput (samples/s) vs reward workers, for a grader that sleeps 50 ms per sample.
 
-    OMP_NUM_THREADS=1 python bench/reward_workers.py [--samples 64] [--repeats 3] [--sandbox]
+    OMP_NUM_THREADS=1 python bench/reward_workers.py [--samples 64] [--repeats 3] [--sandbox] [--math-helper]
 
 Rows: in-process (reward.workers=1, today's path), then ProcessRewardPool with 1 and 2
 workers, interleaved, median of --repeats. Ratios are to the in-process row of the same run.
 Acceptance: 2 workers >= 1.8x the single-worker throughput. A sleeping grader measures the
 pool's overhead and parallelism, not the CPU (a sleep needs none). --sandbox adds rows for the
 real "code" reward (one bwrap jail per sample), which is CPU-bound, so on a shared 2-core box
-its speed-up is bounded by the idle cores.
+its speed-up is bounded by the idle cores. --math-helper times the sympy helper's start
+(once per process, and after each timeout) plain vs in its bwrap jail, and one check.
 """
 
 from __future__ import annotations
@@ -47,12 +48,41 @@ def samples(n: int, text: str) -> list[Trajectory]:
     ) for i in range(n)]
 
 
+def math_helper(repeats: int) -> None:
+    import subprocess
+    from pathlib import Path
+
+    from rlctl_rewards import symbolic
+
+    parent = str(Path(symbolic.__file__).resolve().parent.parent)
+    jailed = symbolic.helper_command(parent)
+    plain = jailed[jailed.index("--remount-ro") + 2:]
+    env = symbolic._HELPER_ENV | {"PYTHONPATH": parent}
+    times: dict[str, list[float]] = {"plain (empty env)": [], "bwrap jail": []}
+    for _ in range(repeats):
+        for name, argv in (("plain (empty env)", plain), ("bwrap jail", jailed)):
+            t = time.perf_counter()
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            times[name].append(time.perf_counter() - t)
+            proc.kill()
+            proc.wait()
+    base = statistics.median(times["plain (empty env)"])
+    print(f"\nsympy helper start to 'ready' (imports sympy), median of {repeats}")
+    for name, ts in times.items():
+        print(f"{name:<20}{statistics.median(ts):>8.3f} s{statistics.median(ts) / base:>8.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sandbox", action="store_true", help="also time the real code reward")
+    parser.add_argument("--math-helper", action="store_true", help="only time the sympy helper's start")
     args = parser.parse_args()
+    if args.math_helper:
+        math_helper(args.repeats)
+        return
     cases = [("sleep 50 ms", partial(SleepGrader), "x", "r")]
     if args.sandbox:
         cases.append(("code (bwrap)", code_grader, "def f(x):\n    return x + 1", "assert f(1) == 2"))

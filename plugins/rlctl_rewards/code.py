@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlctl import RewardResult, Trajectory
 from rlctl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxUnavailable
@@ -338,6 +338,26 @@ class CodeOptions(BaseModel):
     pids: int = Field(32, ge=4, le=4096, description="process cap (cgroup pids.max), bwrap's own included")
     output_kib: int = Field(1024, ge=1, le=65536, description="stdout/stderr cap per stream; past it the run is killed")
     python: str = Field("/usr/bin/python3", description="interpreter inside the jail (world-executable, under /usr)")
+    program: str = Field(
+        "{code}", description='the program run: "{code}" is replaced by the extracted code, e.g. '
+        '"answer = {code}" when completions are expressions')
+    tests: str = Field(
+        "{reference}", description='the tests: "{reference}" is replaced by the row\'s answer, e.g. '
+        '"assert answer == {reference}" when the answer is a value, not test code')
+
+    @field_validator("program")
+    @classmethod
+    def _has_code(cls, value: str) -> str:
+        if "{code}" not in value:
+            raise ValueError('program must contain "{code}" (where the completion\'s code goes)')
+        return value
+
+    @field_validator("tests")
+    @classmethod
+    def _has_reference(cls, value: str) -> str:
+        if "{reference}" not in value:
+            raise ValueError('tests must contain "{reference}" (where the row\'s answer goes)')
+        return value
 
 
 class CodeReward:
@@ -361,10 +381,11 @@ class CodeReward:
     def score(self, trajectory: Trajectory, reference: str) -> RewardResult:
         started = time.perf_counter()
         try:
-            setup, tests = parse_tests(reference)
+            setup, tests = parse_tests(self.options.tests.replace("{reference}", reference))
         except BadTestsError as err:
             return self._result(0.0, started, f"bad reference: {err}", error="invalid_reference")
-        verdict = judge(self.sandbox, extract_code(trajectory.response_text), setup, tests)
+        code = self.options.program.replace("{code}", extract_code(trajectory.response_text))
+        verdict = judge(self.sandbox, code, setup, tests)
         log = f"{verdict.status} {verdict.passed}/{verdict.total}" + (f": {verdict.detail}" if verdict.detail else "")
         if verdict.status == "sandbox_error":
             return self._result(0.0, started, log, error="sandbox_error")

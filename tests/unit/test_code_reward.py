@@ -130,3 +130,14 @@ def test_math_helper_jail_has_no_env_no_network(monkeypatch: pytest.MonkeyPatch)
     assert "leakme" not in out.stdout and "RLCTL_CANARY_MATH" not in out.stdout
     assert "blocked" in out.stdout and "CONNECTED" not in out.stdout and "sympy ok" in out.stdout, out.stderr
     assert symbolic.equal_bounded("2*x+x", "3*x", 60) == (True, "sympy")
+
+
+def test_program_and_tests_templates_grade_expression_completions() -> None:
+    """An arithmetic row ("17") graded by executing the completion: the policy's output is the code."""
+    arith = CodeReward(CodeOptions(program="answer = {code}", tests="assert answer == {reference}", wall_s=5))
+    assert arith.score(traj("12+5"), "17").total == 1.0
+    assert arith.score(traj("17"), "17").total == 1.0
+    assert arith.score(traj("-17"), "17").total == 0.0
+    assert arith.score(traj("__import__('os')._exit(0)"), "17").total == 0.0
+    with pytest.raises(ValueError, match="must contain"):
+        CodeOptions(program="print(1)")
