@@ -238,7 +238,7 @@ class Sandbox:
         return [LAUNCHER_PYTHON, "-I", "-S", "-c", LAUNCHER, json.dumps(spec)]
 
     def check(self) -> None:
-        """Raise SandboxUnavailable unless a jailed ``python -c pass`` runs here."""
+        """Raise SandboxUnavailable unless a jailed ``print('ok')`` runs here (once per Sandbox)."""
         if self._checked:
             return
         if shutil.which("bwrap", path=_ENV["PATH"]) is None:
@@ -254,7 +254,7 @@ class Sandbox:
         if not os.access(self.python, os.X_OK) or not os.stat(self.python).st_mode & 0o001:
             raise SandboxUnavailable(f"interpreter {self.python} is not executable by everyone",
                                      "point the code reward's python option at a system python3")
-        probe = self._run_checked([self.python, "-I", "-S", "-c", "print('ok')"], b"", probe=True)
+        probe = self._run_checked([self.python, "-I", "-S", "-c", "print('ok')"], b"")
         if probe.status != "exited" or probe.returncode != 0 or probe.stdout.strip() != b"ok":
             raise SandboxUnavailable(
                 f"a jailed test program did not run (status {probe.status}, exit {probe.returncode}): "
@@ -268,7 +268,7 @@ class Sandbox:
         self.check()
         return self._run_checked(argv, stdin)
 
-    def _run_checked(self, argv: Sequence[str], stdin: bytes, probe: bool = False) -> RunResult:
+    def _run_checked(self, argv: Sequence[str], stdin: bytes) -> RunResult:
         lim = self.limits
         cgroup = _Cgroup.create(lim)
         started = time.monotonic()

@@ -32,7 +32,7 @@ BUILTINS = {
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl")},
-    "rewards": {"reward function": ("format", "length", "math")},
+    "rewards": {"reward function": ("code", "format", "length", "math")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
