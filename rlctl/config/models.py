@@ -109,6 +109,9 @@ class RewardConfig(_Strict):
     components: list[RewardComponentConfig] = Field(
         default_factory=_default_rewards, min_length=1, description="Weighted reward components."
     )
+    workers: int = Field(1, ge=1, le=256, description="Grader processes; 1 grades in the trainer process.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-sample deadline when workers > 1 (then error 'timeout').")
+    retries: int = Field(1, ge=0, le=10, description="Extra attempts on infrastructure errors when workers > 1.")
 
     @model_validator(mode="after")
     def _unique(self) -> "RewardConfig":

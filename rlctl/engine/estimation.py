@@ -13,7 +13,7 @@ What this is not: the estimators (plugins registered through
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rlctl.contracts.batch import AdvantageInputs, TrainBatch
 from rlctl.contracts.roles import AdvantageEstimator, RewardFunction, RolloutBackend
@@ -21,6 +21,9 @@ from rlctl.contracts.types import PromptRecord, RolloutRequest, Trajectory
 from rlctl.contracts.errors import RoleError
 from rlctl.engine.batching import drop_unscored_groups, group_rewards
 from rlctl.engine.scoring import rescore_failed, score_all
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlctl.engine.reward_pool import RewardPool
 
 
 @dataclass
@@ -42,7 +45,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                   reward: RewardFunction, answers: Mapping[str, str], estimator: AdvantageEstimator,
                   num_prompts: int, group_size: int, max_tokens: int,
                   truncation_penalty: float | None, fresh_reward: Callable[[], RewardFunction] | None = None,
-                  verifier_retries: int = 0) -> SampledGroups:
+                  verifier_retries: int = 0, pool: "RewardPool | None" = None) -> SampledGroups:
     """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
 
     Metrics: ``generated_tokens`` (all rounds), and with filtering
@@ -79,7 +82,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
         trajectories = rollout.generate([make_request(p) for p in prompts(need)])
         t1 = time.perf_counter()
         generated += sum(t.num_response_tokens for t in trajectories)
-        scored, lat = score_all(trajectories, answers, reward, truncation_penalty)
+        scored, lat = score_all(trajectories, answers, reward, truncation_penalty, pool=pool)
         scored, stats = rescore_failed(scored, answers, fresh_reward or (lambda: reward), verifier_retries,
                                        truncation_penalty)
         scored, lost = drop_unscored_groups(scored, group_size)

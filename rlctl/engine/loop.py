@@ -86,7 +86,8 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
                                 answers=answers, estimator=s.estimator, num_prompts=spec.prompts_per_step,
                                 group_size=spec.group_size, max_tokens=spec.max_tokens,
                                 truncation_penalty=spec.truncation_penalty,
-                                fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries)
+                                fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
+                                pool=s.reward_pool)
         scored = sampled.scored
         t2 = time.perf_counter()
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)

@@ -12,15 +12,26 @@ What this is not: a reward function (plugins/rlctl_rewards) or a sandbox.
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from rlctl.contracts.roles import RewardFunction
-from rlctl.contracts.types import TerminalReason, Trajectory
+from rlctl.contracts.types import RewardResult, TerminalReason, Trajectory
+
+if TYPE_CHECKING:
+    from rlctl.engine.reward_pool import RewardPool
 
 
 def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str], reward: RewardFunction,
-              truncation_penalty: float | None) -> tuple[list[Trajectory], list[float]]:
-    """Scored copies of ``trajectories`` (same order) and each scoring latency in seconds."""
+              truncation_penalty: float | None,
+              pool: "RewardPool | None" = None) -> tuple[list[Trajectory], list[float]]:
+    """Scored copies of ``trajectories`` (same order) and each scoring latency in seconds.
+
+    With ``pool`` the samples are graded in parallel worker processes (same
+    results, same order); without it, one by one in this process.
+    """
+    todo = [t for t in trajectories if t.terminal_reason is not TerminalReason.ABORT]
+    if pool is not None:
+        graded = iter(pool.score(todo, [references[t.prompt_id] for t in todo]))
     scored, latencies = [], []
     for traj in trajectories:
         started = time.perf_counter()
@@ -28,13 +39,21 @@ def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str],
             scored.append(traj.updated(reward_error="aborted", scored_at=time.time()))
             latencies.append(0.0)
             continue
-        scored.append(_score_one(traj, references[traj.prompt_id], reward, truncation_penalty))
-        latencies.append(time.perf_counter() - started)
+        if pool is not None:
+            result = next(graded)
+            scored.append(_apply(traj, result, truncation_penalty))
+            latencies.append(result.latency_s)
+        else:
+            scored.append(_score_one(traj, references[traj.prompt_id], reward, truncation_penalty))
+            latencies.append(time.perf_counter() - started)
     return scored, latencies
 
 
 def _score_one(traj: Trajectory, reference: str, reward: RewardFunction, truncation_penalty: float | None) -> Trajectory:
-    result = reward.score(traj, reference)
+    return _apply(traj, reward.score(traj, reference), truncation_penalty)
+
+
+def _apply(traj: Trajectory, result: "RewardResult", truncation_penalty: float | None) -> Trajectory:
     total = result.total
     if traj.terminal_reason is TerminalReason.LENGTH and truncation_penalty is not None:
         total = truncation_penalty

@@ -315,6 +315,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
             metrics = run_sync(session, LoopSpec.from_config(cfg), [], observe)
     finally:
         session.rollout.close()
+        if session.reward_pool is not None:
+            session.reward_pool.close()
     wall = time.perf_counter() - started
     tokenizer_vocab = len(session.tokenizer)
     shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)

@@ -128,6 +128,8 @@ class Run:
         except BaseException:
             if self.session is not None:
                 self.session.rollout.close()
+                if self.session.reward_pool is not None:
+                    self.session.reward_pool.close()
             if self._lock is not None:
                 self._lock.release()
             raise
@@ -243,6 +245,8 @@ class Run:
                     self.registry.update_run(run_id, status=status)
                 self.plugins.pm.hook.on_run_end(run_id=run_id, status=status)
                 session.rollout.close()
+                if session.reward_pool is not None:
+                    session.reward_pool.close()
                 if self._lock is not None:
                     self._lock.release()
         return self._finish(config, last, start_step, resumed_from)
