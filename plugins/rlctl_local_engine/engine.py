@@ -39,6 +39,7 @@ class LocalEngine:
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
         self._generator = torch.Generator().manual_seed(ctx.seed)
+        self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
@@ -64,7 +65,8 @@ class LocalEngine:
         prompts = [list(r.prompt_tokens) for r in requests for _ in range(r.group_size)]
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
         result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
-                        pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check)
+                        pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
+                        min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0
@@ -81,6 +83,15 @@ class LocalEngine:
                 ))
                 row += 1
         return trajectories
+
+    def _tail_lengths(self, n: int, max_tokens: int) -> list[int] | None:
+        """Pareto-distributed decode lengths for the long-tail option (own generator: sampling is unchanged)."""
+        alpha = self.options.length_tail_alpha
+        if alpha is None:
+            return None
+        u = torch.rand(n, generator=self._tail_generator).clamp(min=1e-12)
+        lengths = (self.options.length_tail_min * u.pow(-1.0 / alpha)).ceil().clamp(max=max_tokens)
+        return [int(x) for x in lengths.tolist()]
 
     def _stop_check(self, stops: Sequence[str]) -> Any:
         def check(tokens: list[int]) -> bool:

@@ -446,6 +446,7 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
         "rollout": state_codec.encode(state.rollout, "rollout", tensors),
         "cursor": dict(state.cursor), "rng": state_codec.encode(state.rng, "rng", tensors),
         "shadow": {"sampling": dataclasses.asdict(state.shadow.sampling)}, "metrics": dict(state.metrics),
+        "queue": None if state.queue is None else dict(state.queue),
     }
     yield "state.safetensors", save(tensors)
     yield "state.json", json.dumps(body, sort_keys=True, indent=1).encode()
@@ -481,6 +482,7 @@ def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
         run_id=body["run_id"], config=body["config"], config_hash=body["config_hash"],
         code_version=body["code_version"], dataset_version=body["dataset_version"],
         tokenizer_hash=body["tokenizer_hash"], tokenizer_dir=str(path / "model"), metrics=body["metrics"],
+        queue=body.get("queue"),
     )
 
 

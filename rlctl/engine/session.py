@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import DataError
@@ -34,6 +34,8 @@ class Session:
     reward: MixedReward
     cursor: PromptCursor
     sampling: SamplingConfig
+    queue: Any = None  # the live TrajectoryQueue of an overlapped run (rlctl.engine.async_loop); None when sync
+    queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:

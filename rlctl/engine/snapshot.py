@@ -111,6 +111,7 @@ def capture(session: Session, steps_done: int, metrics: Mapping[str, float], pro
         config_hash=provenance.config_hash, code_version=provenance.code_version,
         dataset_version=session.task.version, tokenizer_hash=session.tokenizer_hash,
         tokenizer_dir=str(session.policy_dir), metrics=dict(metrics),
+        queue=session.queue.cursor() if session.queue is not None else session.queue_cursor,
     )
 
 
@@ -122,6 +123,7 @@ def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -
                               "resume with the learner the run was trained with")
     learner.load_checkpoint_state(state.learner)
     session.cursor.state = _cursor(state.cursor, len(session.cursor.records))
+    session.queue_cursor = state.queue  # applied when the trajectory queue opens (or re-applied by the driver)
     drift = shadow_drift(learner, state.shadow)
     if not drift <= shadow_tolerance:
         raise CheckpointError(

@@ -124,7 +124,13 @@ def execute(session: Any, run: RunRecord, directory: Path, *, registry: Registry
 
             if cb.start:
                 cb.start(start_step, config.train.steps)
-            last = run_sync(session, sinks, on_step, start_step=start_step, checkpoint=checkpointer)
+            from rlctl.dist import needs_overlap, run_overlapped
+
+            if needs_overlap(config):
+                last = run_overlapped(session, plugins, directory, sinks, on_step, start_step=start_step,
+                                      checkpoint=checkpointer, store=checkpointer.store)
+            else:
+                last = run_sync(session, sinks, on_step, start_step=start_step, checkpoint=checkpointer)
             checkpointer.close()
             _save_policy(session, directory / "policy" / "final")
             status = "succeeded"
