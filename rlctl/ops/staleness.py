@@ -179,3 +179,38 @@ def from_config(config: object, *, learn_s: float, token_s: float, call_s: float
                      chunk=c.staleness.rollout_chunk or max(1, -(-b // workers)),
                      capacity=c.staleness.queue_capacity or (ahead + 1) * b, learn_s=learn_s, token_s=token_s,
                      call_s=call_s, sync_s=sync_s, steps=steps)
+
+
+@dataclass(frozen=True, slots=True)
+class RunPrediction:
+    """A prediction for a run config plus the inputs it was made from (printed next to it)."""
+
+    prediction: Prediction
+    params: SimParams
+    lengths: str  # how response lengths were drawn
+
+
+def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int = 200) -> RunPrediction:
+    """Predict from a sync smoke step's timings (T_r for one whole batch, T_l, T_s) and response lengths.
+
+    Per-token time is T_r / longest response (batched decoding runs as long as
+    its longest row), per worker call; the learner's step adds the extra
+    log-prob pass of the overlapped loop (about a third of a train step).
+    Lengths follow the rollout's Pareto tail option when set, else a spread
+    between the smoke step's mean and max response length.
+    """
+    m = smoke_metrics
+    longest = max(1.0, m.get("response_length_max", 1.0))
+    mean = max(1.0, m.get("response_length_mean", longest))
+    token_s = m.get("T_r", 0.0) / longest
+    options = getattr(config.rollout, "options", {}) or {}
+    if options.get("length_tail_alpha"):
+        alpha, low = float(options["length_tail_alpha"]), int(options.get("length_tail_min", 4))
+        draw, how = pareto(alpha, low, config.rollout.max_tokens), f"Pareto(alpha={alpha:g}, min={low})"
+    else:
+        lo, hi = int(mean), int(longest)
+        draw = (lambda rng: rng.randint(lo, hi)) if hi > lo else (lambda rng: lo)
+        how = f"uniform {lo}..{hi} tokens (smoke step mean..max)"
+    params = from_config(config, learn_s=m.get("T_l", 0.0) * 4 / 3, token_s=token_s, sync_s=m.get("T_s", 0.0),
+                         steps=steps)
+    return RunPrediction(prediction=predict(params, draw), params=params, lengths=how)
