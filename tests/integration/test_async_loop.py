@@ -173,3 +173,31 @@ def test_config_rejects_unknown_mode_and_backend():
         load_config(None, ["mode=fast"])
     with pytest.raises(ConfigError, match="backend"):
         load_config(None, ["cluster.backend=slurm"])
+
+
+@pytest.mark.slow
+def test_cli_async_train_sigkill_then_resume_trains_every_group_once(_rlctl_home, tmp_path, tiny_policy_dir):
+    """``rlctl train mode=async`` SIGKILLed mid-run, then ``rlctl resume``: the committed history is exact."""
+    import signal
+
+    from rlctl.engine.async_loop import audit
+    from tests.integration.test_cli import rlctl
+    from tests.integration.test_resume import run_id, spawn, wait_for_step
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    run_dir = tmp_path / "run"
+    overrides = ["mode=async", "staleness.max_staleness=2", "checkpoint.every_steps=3", "train.steps=9",
+                 "eval.at_end=false", "train.deterministic=false"]
+    proc = spawn(home, run_dir, *overrides)
+    wait_for_step(proc, run_dir, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    out = json.loads(rlctl("resume", run_id(run_dir), "--json", home=home, check=True).stdout)
+    assert out["run"]["status"] == "succeeded"
+    report = audit(run_dir / "queue")
+    assert report.steps == 9 and report.double_counted == 0 and report.lost == (), report
+    assert report.trained == 9 * 4 and report.max_staleness <= 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(9))

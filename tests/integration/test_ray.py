@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray")
 def ray_cluster(tmp_path_factory):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")  # 2 shared cores under load start slowly
     started = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
