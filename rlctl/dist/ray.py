@@ -22,7 +22,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -83,26 +83,29 @@ class LearnerActor:
 
 
 def _wait_alive(actor: Any, what: str) -> None:
-    """Block until a restarting actor answers; RoleError once Ray gives up on it."""
+    """Block until a restarting actor answers; RoleError once Ray gives up on it.
+
+    A ping sent while the actor restarts is queued and answered by the new
+    process. ActorDiedError on a fresh ping means the actor is dead for good,
+    except when the ping raced the death itself: three in a row are final.
+    """
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
+    died = 0
+    while time.monotonic() < deadline:
         try:
             ray.get(actor.pid.remote(), timeout=5)
             return
-        except GetTimeoutError:
-            pass
-        except RayActorError as err:
-            if "restart" in str(err).lower() and "no more" not in str(err).lower() and time.monotonic() < deadline:
-                time.sleep(0.2)
-                continue
-            raise RoleError(f"{what} died and Ray will not restart it ({type(err).__name__})",
-                            "raise cluster.max_restarts, or look at the actor's log under the Ray session "
-                            "directory") from None
-        except ActorUnavailableError:
+        except (GetTimeoutError, ActorUnavailableError):
             time.sleep(0.2)
-        if time.monotonic() > deadline:
-            raise RoleError(f"{what} did not come back within {READY_TIMEOUT_S:.0f}s",
-                            "check the cluster's free resources with `ray status`")
+        except ActorDiedError:
+            died += 1
+            if died >= 3:
+                raise RoleError(f"{what} died and Ray will not restart it",
+                                "raise cluster.max_restarts, or look at the actor's log under the Ray session "
+                                "directory") from None
+            time.sleep(0.5)
+    raise RoleError(f"{what} did not come back within {READY_TIMEOUT_S:.0f}s",
+                    "check the cluster's free resources with `ray status`")
 
 
 class RayWorker:

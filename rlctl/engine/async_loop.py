@@ -387,12 +387,17 @@ class AsyncDriver:
         return metrics
 
     def _recover_learner(self, err: BaseException) -> int:
-        self.learner_restarts += 1
-        if self.recover is None or self.learner_restarts > self.spec.max_learner_restarts:
-            raise RoleError(f"the learner died ({err}) and cannot be recovered "
-                            f"({self.learner_restarts} restarts)", "resume the run from its newest checkpoint "
-                            "with `rlctl resume`") from None
-        step = self.recover()  # sets session.queue_cursor and publishes the restored weights via the pool
+        while True:
+            self.learner_restarts += 1
+            if self.recover is None or self.learner_restarts > self.spec.max_learner_restarts:
+                raise RoleError(f"the learner died ({err}) and cannot be recovered "
+                                f"({self.learner_restarts} restarts)", "resume the run from its newest checkpoint "
+                                "with `rlctl resume`") from None
+            try:
+                step = self.recover()  # sets session.queue_cursor, publishes the restored weights via the pool
+                break
+            except LearnerLost as again:  # it died again while being restored
+                err = again
         cursor = getattr(self.session, "queue_cursor", None)
         self.queue.restore_cursor(cursor if cursor is not None else {"watermark": 0, "resolved": [], "drops": {}})
         self.queue.set_version(self.session.learner.policy_version)
