@@ -31,7 +31,7 @@ from rlctl.contracts.types import LearnerContext, RolloutContext, RolloutRequest
 from rlctl.engine.async_loop import LearnerLost, WorkerLost
 
 _LOST = (RayActorError, ActorUnavailableError)
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 600.0  # a restarting actor imports torch and loads its model; shared CPUs are slow
 
 
 def _threads(n: int) -> None:
@@ -211,6 +211,8 @@ class RayPlacement:
             ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
         except GetTimeoutError:
             remove_placement_group(self.pg)
+            if self._started:
+                ray.shutdown()
             raise RoleError(f"the Ray cluster cannot place {len(bundles)} bundles {bundles} "
                             f"(it has {ray.cluster_resources()})",
                             "lower cluster.num_rollout_workers or the per-actor num_cpus/num_gpus, or add nodes") from None

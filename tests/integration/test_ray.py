@@ -27,10 +27,16 @@ ray = pytest.importorskip("ray")
 def ray_cluster(tmp_path_factory):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")  # 2 shared cores under load start slowly
     started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on 2 busy shared cores that can pass
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     _temp_dir=str(tmp_path_factory.mktemp("ray")))
+            break
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if "timed out during startup" not in str(err) or attempt == 2:
+                raise
     print(f"ray.init: {time.perf_counter() - started:.1f}s")
     yield
     ray.shutdown()
