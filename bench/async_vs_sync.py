@@ -14,8 +14,9 @@ Modes: ``sync`` is today's loop (rlctl.engine.loop.run_sync, the baseline); the 
 driver (rlctl.engine.async_loop) with ``cluster.num_rollout_workers`` threads (``--placement local``) or Ray
 actors (``--placement ray``): ``one_step_off``, ``async1`` (async, max_staleness 1), ``async2`` (2).
 
-Columns: wall time of the training loop (model building excluded), generated tokens/s, effective tokens/s
-(tokens of samples with a non-zero advantage per second), hidden pass@1 (greedy, ``--hidden`` prompts) and its
+Columns: wall time of the training loop (model building excluded), trained response tokens per second of
+wall time (every mode trains steps x B x G responses), effective tokens/s (those of samples with a non-zero
+advantage; the long-tail padding decoded after a response ended is work, not tokens, and is in neither), hidden pass@1 (greedy, ``--hidden`` prompts) and its
 paired-bootstrap 95% CI of the difference to sync, mean and P95 measured Δv, and the staleness simulator's
 prediction (rlctl.ops.staleness, fed with the sync run's own T_r / T_l / T_s and lengths). Ratios are to the
 sync row of the same workload, measured in the same invocation. One run per mode (not a median over
@@ -108,10 +109,7 @@ def run_mode(args: argparse.Namespace, workload: str, name: str, plugins: Any, h
         session.rollout.close()
         eval_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"options": {}})})
         scores = grade_policy(name, policy, eval_config, plugins, task, task.hidden[: args.hidden])
-    rows = sink.rows
-    generated = sum(r["generated_tokens_per_s"] * r["step_time_s"] for r in rows) if name == "sync" else None
-    return {"name": name, "wall": wall, "rows": rows, "scores": scores, "config": config,
-            "generated": generated}
+    return {"name": name, "wall": wall, "rows": sink.rows, "scores": scores, "config": config}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,14 +131,15 @@ def main(argv: list[str] | None = None) -> None:
                  for k in ("T_r", "T_l", "T_s", "response_length_mean", "response_length_max")}
         print(f"\n## {workload}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
               f"placement {args.placement}, {args.workers} workers (sync: 1 engine)")
-        header = ("mode", "wall s", "x sync", "gen tok/s", "x sync", "eff tok/s", "x sync", "hidden pass@1",
+        header = ("mode", "wall s", "x sync", "trained tok/s", "x sync", "eff tok/s", "x sync", "hidden pass@1",
                   "diff vs sync [95% CI]", "dv mean", "dv P95", "pred dv mean", "pred dv P95", "drops")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for r in results:
             rows = r["rows"]
-            tokens = sum(m["generated_tokens_per_s"] * m["step_time_s"] for m in rows)
-            eff = sum(m["effective_tokens_per_s"] * m["step_time_s"] for m in rows)
+            n_rows = [m.get("groups_trained", args.prompts) * args.group for m in rows]
+            tokens = sum(m["response_length_mean"] * n for m, n in zip(rows, n_rows))
+            eff = sum(m["response_length_mean"] * n * m["esr"] for m, n in zip(rows, n_rows))
             r["gen_tps"], r["eff_tps"] = tokens / r["wall"], eff / r["wall"]
             cmp = paired_bootstrap(sync["scores"].correct, r["scores"].correct)
             dv = [m.get("staleness_mean", 0.0) for m in rows] if r["name"] != "sync" else [0.0]
