@@ -97,7 +97,9 @@ def run_mode(args: argparse.Namespace, workload: str, name: str, plugins: Any, h
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         if name == "sync":
-            run_sync(session, [sink])
+            from rlctl.engine.loop import LoopSpec
+
+            run_sync(session, LoopSpec.from_config(config), [sink])
         else:
             from rlctl.dist import run_overlapped
 

@@ -46,7 +46,7 @@ def main() -> None:
 
     from rlctl.config.load import load_config
     from rlctl.engine.checkpoint import DiskCheckpointStore
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
     from rlctl.engine.session import build_session
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, capture, shadow_batch
     from rlctl.hooks.manager import load_plugins
@@ -65,7 +65,7 @@ def main() -> None:
             before = time.perf_counter()
             original = session.config.train.steps
             object.__setattr__(session.config.train, "steps", first + count)
-            run_sync(session, [], observer=lambda step, m: stamps.append(time.perf_counter()),
+            run_sync(session, LoopSpec.from_config(session.config), [], observer=lambda step, m: stamps.append(time.perf_counter()),
                      start_step=first, checkpoint=checkpointer)
             object.__setattr__(session.config.train, "steps", original)
             return [b - a for a, b in zip([before] + stamps[:-1], stamps)]

@@ -73,12 +73,12 @@ class RlctlStepper:
         self.done, self.times, self.tokens = 0, [], []
 
     def step(self) -> None:
-        from rlctl.engine.loop import run_sync
+        from rlctl.engine.loop import LoopSpec, run_sync
 
         s = self.session
         s.config = s.config.model_copy(update={"train": s.config.train.model_copy(update={"steps": self.done + 1})})
         started = time.perf_counter()
-        metrics = run_sync(s, [], start_step=self.done)
+        metrics = run_sync(s, LoopSpec.from_config(s.config), [], start_step=self.done)
         self.times.append(time.perf_counter() - started)
         n = s.config.algo.prompts_per_step * s.config.algo.group_size
         self.tokens.append(metrics["response_length_mean"] * n)

@@ -128,5 +128,8 @@ class LocalEngine:
     def health(self) -> Mapping[str, Any]:
         return {"ok": True, "policy_version": self.policy_version, "fingerprint": self.fingerprint}
 
+    def resident_tensors(self) -> Mapping[str, Sequence[torch.Tensor]]:
+        return {"rollout weights": list(self.model.parameters())} if self.model is not None else {}
+
     def close(self) -> None:
         self.model = None

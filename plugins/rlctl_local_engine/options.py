@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlctl.contracts.types import RolloutMemory
+
 
 class LocalEngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -16,3 +18,7 @@ class LocalEngineOptions(BaseModel):
         "real tokens; what follows the response is discarded, so trajectories are unchanged. null = off."
     )
     length_tail_min: int = Field(4, ge=1, description="Scale (minimum) of the Pareto length tail.")
+
+    def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
+        """In-process weights (refolded per call), holding at most ``max_batch_sequences`` rows at once."""
+        return RolloutMemory(in_process=True, max_rows=self.max_batch_sequences)

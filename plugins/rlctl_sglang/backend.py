@@ -4,7 +4,7 @@ What this is: a RolloutBackend that talks to one or more servers, a real
 SGLang (``python -m sglang.launch_server``) or ``rlctl serve rollout``:
 
 - generate: all G samples of a prompt go to one server, chosen by a stable
-  hash of the prompt id (prefix-cache reuse, R-DATA-1); each server gets one
+  hash of the prompt id (prefix-cache reuse); each server gets one
   batched ``/generate`` call with ``input_ids`` and ``return_logprob``; the
   answers become Trajectory records exactly like the local engine's
   (behaviour logprobs per token, terminal reason from finish_reason, the
@@ -14,7 +14,8 @@ SGLang (``python -m sglang.launch_server``) or ``rlctl serve rollout``:
   and ``weight_version`` to every server, then confirm each server reports
   that version (and, on rlctl servers, the weight fingerprint). It retries a
   bounded number of times and then raises, so the learner, which calls this
-  synchronously, stays paused until every server confirms (R-SYNC-4).
+  synchronously, stays paused until every server confirms (no sample is
+  drawn from an unconfirmed version).
 - health and resync: before each generate every server's version is read; a
   server reporting another version (restarted, or it missed an update) is
   resynced with a full copy of the current version before it gets work, and
@@ -233,6 +234,9 @@ class SGLangRollout:
         if self.last_publish is not None:
             out["last_publish"] = self.last_publish.metrics()
         return out
+
+    def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
+        return {}  # the weights live in the SGLang server processes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

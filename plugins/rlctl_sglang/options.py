@@ -6,11 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlctl.contracts.types import RolloutMemory
+
 
 class SGLangOptions(BaseModel):
     """``rollout.options`` for ``rollout.backend: sglang``."""
 
     model_config = ConfigDict(extra="forbid")
+
+    def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
+        """The servers hold the weights and KV cache in their own processes."""
+        return RolloutMemory(in_process=False, max_rows=None)
 
     servers: list[str] = Field(min_length=1, description="Base URLs of the servers: `python -m sglang.launch_server` "
                                "or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. All G samples of a prompt "

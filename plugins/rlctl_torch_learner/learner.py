@@ -4,10 +4,19 @@ What this is: the LearnerBackend for CPU and single-device runs. It owns the
 trainable policy, an optional frozen reference (when the KL coefficient is
 > 0), the optimizer and LR schedule. One ``train_step`` = the configured PPO
 epochs x mini-batches over one rollout batch, with gradient accumulation over
-micro-batches, gradient clipping, and a skipped update on NaN/Inf gradients.
+micro-batches, gradient clipping, and a skipped update on NaN/Inf gradients
+(no parameter or optimizer-state change; the skip counter goes up and the
+policy version does not).
+
+Precision: with ``dtype: bfloat16`` the model's parameters are bf16 (forward
+and backward run in bf16) and the optimizer owns an fp32 master copy of each:
+gradients are cast to fp32, clipped and applied by AdamW with fp32 moments,
+and the master weights are cast back into the bf16 parameters. With
+``float32`` the parameters are their own master.
 
 Checkpoints: ``checkpoint_state`` returns a private copy of the weights (tied
-aliases such as ``lm_head.weight`` dropped, as save_pretrained does), the
+aliases such as ``lm_head.weight`` dropped, as save_pretrained does; the fp32
+master copy when there is one), the
 optimizer and LR-schedule state dicts, the mini-batch shuffling generator,
 the policy version and the NaN-skip counter; ``load_checkpoint_state`` puts
 them back and refuses a checkpoint whose parameter names or shapes differ.
@@ -52,8 +61,11 @@ class TorchLearner:
         self.reference = None
         if self.algo.kl.coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.master: list[torch.Tensor] | None = None  # fp32 master copy of low-precision parameters
+        if any(p.dtype != torch.float32 for p in self.model.parameters()):
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
         o = self.optim_cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        self.optimizer = torch.optim.AdamW(self._trained(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         warmup = max(1, o.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -109,13 +121,15 @@ class TorchLearner:
             batch = _with_ref(batch, self.ref_logprobs(batch))
         stats: dict[str, list[float]] = {}
         size = batch.num_sequences // algo.num_mini_batches
+        applied = 0
         for epoch in range(algo.ppo_epochs):
             order = torch.randperm(batch.num_sequences, generator=self.generator)
             for m in range(algo.num_mini_batches):
                 mini = batch.select(order[m * size:(m + 1) * size])
                 first = epoch == 0 and m == 0  # weights still equal the behaviour policy's
-                self._mini_batch_step(mini, kl_in_loss, first, stats)
-        self.policy_version += 1
+                applied += self._mini_batch_step(mini, kl_in_loss, first, stats)
+        if applied:  # a new policy exists only if some update was applied
+            self.policy_version += 1
         out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
         for key in ("ratio_max", "logprob_mismatch_max"):
             if stats.get(key):
@@ -124,12 +138,18 @@ class TorchLearner:
         out["nan_inf_skipped_steps"] = float(self.nan_skips)
         return out
 
-    def _mini_batch_step(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> None:
+    def _trained(self) -> list[torch.Tensor]:
+        """The tensors AdamW updates: the fp32 master copy, or the parameters themselves."""
+        return self.master if self.master is not None else list(self.model.parameters())
+
+    def _mini_batch_step(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> bool:
+        """One optimizer step over ``mini`` (accumulated over micro-batches); False when it was skipped."""
         algo = self.algo
         token_mode = algo.loss_agg == "token-mean"
         total_tokens = float(mini.action_mask.sum())
         total_seqs = float((mini.action_mask.sum(-1) > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         for micro in self._micro_batches(mini):
             logp, entropy = self._forward(self.model, micro, with_entropy=True)
             mask = micro.action_mask
@@ -154,14 +174,25 @@ class TorchLearner:
                     delta = (logp.detach() - micro.behavior_logprobs)[on].abs()
                     stats.setdefault("logprob_mismatch_mean", []).append(float(delta.mean()))
                     stats.setdefault("logprob_mismatch_max", []).append(float(delta.max()))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip))
+        if self.master is not None:  # fp32 gradients for the fp32 optimizer math
+            for param, master in zip(self.model.parameters(), self.master):
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip))
         stats.setdefault("grad_norm", []).append(grad_norm)
         if not math.isfinite(grad_norm):
-            self.nan_skips += 1  # never apply a poisoned update (RELIABILITY B.6)
+            # never apply a non-finite update: parameters, optimizer moments and LR schedule stay as they were
+            self.nan_skips += 1
             self.optimizer.zero_grad(set_to_none=True)
-            return
+            self.model.zero_grad(set_to_none=True)
+            return False
         self.optimizer.step()
         self.scheduler.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for param, master in zip(self.model.parameters(), self.master):
+                    param.copy_(master)
+        return True
 
     def export_weights(self) -> WeightUpdate:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -170,12 +201,24 @@ class TorchLearner:
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory)
 
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        out = {"policy parameters": params,
+               "policy gradients": [p.grad for p in self._trained() if p.grad is not None],
+               "policy optimizer states": [t for st in self.optimizer.state.values() for t in st.values()
+                                           if isinstance(t, torch.Tensor) and t.dim() > 0]}
+        if self.master is not None:
+            out["policy master weights"] = list(self.master)
+        if self.reference is not None:
+            out["reference parameters"] = list(self.reference.parameters())
+        return out
+
     # -- checkpoints -----------------------------------------------------------
 
     def checkpoint_state(self) -> LearnerState:
         return LearnerState(
             policy_version=self.policy_version,
-            weights={k: v.detach().clone() for k, v in _unaliased(self.model.state_dict()).items()},
+            weights={k: v.detach().clone() for k, v in self._master_state().items()},
             model_files=self._model_files(), optimizer=state_codec.clone(self.optimizer.state_dict()),
             scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
             rng={"minibatch_order": self.generator.get_state()}, counters={"nan_skips": self.nan_skips},
@@ -191,14 +234,27 @@ class TorchLearner:
             raise CheckpointError(f"the model shape changed since the checkpoint: {'; '.join(problems[:3])}"
                                   + (f" and {len(problems) - 3} more" if len(problems) > 3 else ""),
                                   "resume with the model the run was trained with")
+        masters = self._masters_by_storage()
         with torch.no_grad():
             for name, tensor in current.items():
                 tensor.copy_(state.weights[name])
+                if tensor.data_ptr() in masters:
+                    masters[tensor.data_ptr()].copy_(state.weights[name])
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.generator.set_state(state.rng["minibatch_order"])
         self.policy_version = state.policy_version
         self.nan_skips = int(state.counters.get("nan_skips", 0))
+
+    def _masters_by_storage(self) -> dict[int, torch.Tensor]:
+        if self.master is None:
+            return {}
+        return {p.data_ptr(): m for p, m in zip(self.model.parameters(), self.master)}
+
+    def _master_state(self) -> dict[str, torch.Tensor]:
+        """The unaliased state dict with each parameter's fp32 master in its place (when there is one)."""
+        masters = self._masters_by_storage()
+        return {k: masters.get(v.data_ptr(), v) for k, v in _unaliased(self.model.state_dict()).items()}
 
     def _model_files(self) -> dict[str, str]:
         config = copy.deepcopy(self.model.config)

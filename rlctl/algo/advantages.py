@@ -1,12 +1,13 @@
-"""Advantage estimators: group-relative (GRPO, R-ALGO-1) and GAE (PPO, R-ALGO-2).
+"""Advantage estimators: group-relative (GRPO) and GAE (PPO).
 
 What this is: pure tensor functions from rewards (and values) to advantages.
 They run in fp32 (or wider, if given wider) because reward normalisation is a
-sensitive reduction (R-ALGO-5).
+sensitive reduction: bf16 means and stds would bias the advantages.
 
 What this is not: reward computation, KL-in-reward shaping, or anything that
 knows about models, batches or configs. The caller decides which samples are
-valid (R-REW-4: a timeout is not a zero score) and passes a mask.
+valid (a grader timeout or error is not a zero score: the sample is left
+out) and passes a mask.
 """
 
 from __future__ import annotations

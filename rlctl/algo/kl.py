@@ -1,4 +1,4 @@
-"""Per-token KL estimators (Schulman's k1, k2, k3; R-ALGO-4).
+"""Per-token KL estimators (Schulman's k1, k2, k3) and KL-in-reward shaping.
 
 What this is: pure functions turning per-token log-probabilities of the
 sampled tokens into per-token estimates of KL(pi || ref), where the tokens were
@@ -73,3 +73,16 @@ def exact_categorical_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     p = log_p.exp()
     terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
     return terms.sum(dim=-1)
+
+
+def kl_shaped_rewards(rewards: Tensor, behavior_logp: Tensor, ref_logp: Tensor, action_mask: Tensor, coef: float,
+                      kind: KLKind) -> Tensor:
+    """Sequence rewards minus ``coef`` x the summed per-token KL(behaviour || reference) of each response.
+
+    KL in the reward (rather than in the loss) penalises drift before the group
+    baseline is taken, so it moves advantages, not the gradient directly.
+    ``rewards`` is [B, G]; the log-probs and mask are [B*G, T] in the same order.
+    Padding and prompt tokens (mask 0) contribute nothing.
+    """
+    kl_seq = (kl_estimate(behavior_logp, ref_logp, kind) * action_mask).sum(-1)  # [B*G]
+    return rewards - coef * kl_seq.view_as(rewards)

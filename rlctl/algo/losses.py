@@ -1,7 +1,7 @@
 """Policy-gradient losses: PPO clip, KL-in-loss, entropy, token aggregation.
 
 What this is: pure tensor functions over ``[N, T]`` per-token quantities with
-a response mask (R-ALGO-3, R-ALGO-4, R-ALGO-6). Ratios and log-ratios are
+a response mask (prompt and padding tokens never count). Ratios and log-ratios are
 computed in fp32; NaN is never clamped away, only padding is kept out with
 ``torch.where``.
 
@@ -93,7 +93,7 @@ def ppo_clip_loss(
     agg: AggMode,
     norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate against the behaviour policy mu (R-ALGO-3).
+    """PPO clipped surrogate against the behaviour policy mu (the distribution the tokens were sampled from).
 
     All inputs ``[N, T]``. r_t = exp(logp - behavior_logp) in fp32 and
     loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), then
@@ -136,7 +136,7 @@ def kl_penalty_loss(
     agg: AggMode,
     norm_len: int | None = None,
 ) -> tuple[Tensor, float]:
-    """KL(pi || ref) as a loss term (KL-in-loss, R-ALGO-4); the caller scales by beta.
+    """KL(pi || ref) as a loss term (KL-in-loss); the caller scales by beta.
 
     Returns ``(loss, mean_kl)``: the aggregated per-token estimate (with grad)
     and its token-mean as a float for logging.

@@ -3,7 +3,8 @@
 What this is: the single definition of the sampling distribution. The rollout
 sampler draws from ``process_logits`` and the learner recomputes
 ``token_logprobs`` with the same settings, so behaviour log-probs and
-recomputed log-probs describe the same distribution (R-ALGO-3).
+recomputed log-probs describe the same distribution (the PPO ratio pi/mu is
+only meaningful then).
 
 What this is not: a sampler (no RNG, no generation loop, no stop tokens) and
 not a place for repetition penalties or other engine-specific processors.

@@ -1,12 +1,19 @@
-"""Live progress for training: a rich progress bar with the key metrics of each step.
+"""Live progress for training: a rich progress bar on a terminal, plain full lines elsewhere.
 
-What this is: callbacks for rlctl.ops.train that render the warm start and the
-RL steps (step, reward mean, kl_ref, entropy, response length, clip fraction,
-tokens/s, ETA). What this is not: metric storage.
+What this is: callbacks for rlctl.ops.train / resume that render the warm
+start and the RL steps (step, reward mean, kl_ref, entropy, response length,
+clip fraction, tokens/s, elapsed, ETA). On a terminal that is a rich progress
+bar. Without one (output piped to a file, a cluster job log) a redrawn bar
+would be cut to the console width, so the display prints one complete plain
+line every ``train.log_every`` RL steps (and the last), and one per 5% of the
+warm start: never cropped, never wrapped.
+
+What this is not: metric storage (sinks and the registry hold the metrics).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Mapping
 
 from rich.console import Console
@@ -17,20 +24,26 @@ from rlctl.ops.train import TrainCallbacks
 
 SHOWN = (("reward", "reward_mean"), ("kl_ref", "kl_ref"), ("entropy", "entropy"),
          ("len", "response_length_mean"), ("clip", "clip_fraction"), ("tok/s", "generated_tokens_per_s"))
+WARM_START_LINES = 20  # plain mode: one warm-start line per 1/20 of its steps
 
 
 class TrainDisplay:
-    def __init__(self, total_steps: int, console: Console, enabled: bool = True) -> None:
+    def __init__(self, total_steps: int, console: Console, enabled: bool = True, plain: bool | None = None) -> None:
         self.total = total_steps
         self.console = console
+        self.plain = (not console.is_terminal) if plain is None else plain
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=console, disable=not enabled, transient=False,
+            console=console, disable=not enabled or self.plain, transient=False,
         )
+        self.enabled = enabled
         self._warm = None
         self._steps = None
         self.run_id: str | None = None
+        self.every = 1
+        self.first = 0
+        self._t0 = self._warm_t0 = time.monotonic()
 
     def __enter__(self) -> "TrainDisplay":
         self.progress.start()
@@ -43,28 +56,65 @@ class TrainDisplay:
         return TrainCallbacks(warm_start=self.warm_start, run_started=self.run_started, step=self.step,
                               eval_progress=self.eval_progress, start=self.start, warning=self.warning)
 
+    def line(self, text: str) -> None:
+        """One message line: full length (no cropping or wrapping), markup off."""
+        if self.enabled:
+            self.console.print(text, soft_wrap=True, markup=False, highlight=False, emoji=False)
+
     def warm_start(self, step: int, total: int, loss: float) -> None:
+        if self.plain:
+            every = max(1, total // WARM_START_LINES)
+            if step == 1:
+                self._warm_t0 = time.monotonic()
+            if step % every == 0 or step == total:
+                self.line(f"warm start (SFT) {step}/{total}  loss {loss:.3f}  "
+                          f"{_timing(time.monotonic() - self._warm_t0, step, total)}")
+            return
         if self._warm is None:
             self._warm = self.progress.add_task("warm start (SFT)", total=total, info="")
         self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}")
 
     def run_started(self, run: RunRecord) -> None:
         self.run_id = run.id
+        if self.plain:
+            self.line(f"run {run.id} -> {run.run_dir}")
+            return
         self.progress.console.print(f"run [bold]{run.id}[/] -> {run.run_dir}")
         self._steps = self.progress.add_task("GRPO", total=self.total, info="")
 
-    def start(self, first_step: int, total_steps: int) -> None:
+    def start(self, first_step: int, total_steps: int, log_every: int = 1) -> None:
+        self.total, self.every, self.first = total_steps, max(1, log_every), first_step
+        self._t0 = time.monotonic()
         if self._steps is not None:
             self.progress.update(self._steps, completed=first_step, total=total_steps)
         if first_step:
-            self.progress.console.print(f"resuming at step {first_step} of {total_steps}")
+            self.line(f"resuming at step {first_step} of {total_steps}")
 
     def warning(self, message: str) -> None:
+        if self.plain:
+            self.line(f"warning: {message}")
+            return
         self.progress.console.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         info = "  ".join(f"{label} {metrics[key]:.3g}" for label, key in SHOWN if key in metrics)
+        if self.plain:
+            if step % self.every == 0 or step == self.total - 1:
+                done = step + 1 - self.first
+                timing = _timing(time.monotonic() - self._t0, done, self.total - self.first)
+                self.line(f"GRPO step {step + 1}/{self.total}  {info}  {timing}")
+            return
         self.progress.update(self._steps, completed=step + 1, info=info)
 
     def eval_progress(self, message: str) -> None:
-        self.progress.console.print(f"eval: {message}")
+        self.line(f"eval: {message}")
+
+
+def _timing(elapsed: float, done: int, total: int) -> str:
+    eta = elapsed / done * (total - done) if done > 0 else 0.0
+    return f"elapsed {_clock(elapsed)}  ETA {_clock(eta)}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

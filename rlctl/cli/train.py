@@ -67,8 +67,8 @@ def run_and_render(total_steps: int, registry: Optional[str], json_out: bool, go
             result = go(reg, display.callbacks())
         except KeyboardInterrupt:
             if display.run_id:
-                display.progress.console.print(f"interrupted: run {display.run_id} is marked 'interrupted'; "
-                                               f"continue it with `rlctl resume {display.run_id}`")
+                display.line(f"interrupted: run {display.run_id} is marked 'interrupted'; "
+                             f"continue it with `rlctl resume {display.run_id}`")
             raise
     if json_out:
         _output.print_json({"run": result.run, "last_metrics": result.last_metrics, "wall_s": result.wall_s,
@@ -82,8 +82,7 @@ def run_and_render(total_steps: int, registry: Optional[str], json_out: bool, go
 
 def sft(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg, json_out: bool = JsonOpt) -> None:
     """Build and warm-start (SFT) the built-in model for a config, and print its cached directory."""
-    from rich.progress import Progress
-
+    from rlctl.cli._display import TrainDisplay
     from rlctl.config.load import load_config
     from rlctl.contracts.errors import ConfigError
     from rlctl.engine.session import load_task, resolve_policy_dir
@@ -93,10 +92,8 @@ def sft(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg,
     if not cfg.model.builtin:
         raise ConfigError("rlctl sft warm-starts the built-in model only", "set model.path=builtin:tiny")
     task = load_task(cfg, load_plugins())
-    with Progress(console=_output.err_console) as progress:
-        bar = progress.add_task("warm start (SFT)", total=cfg.model.warm_start.steps)
-        path = resolve_policy_dir(cfg, task, rlctl_home() / "cache",
-                                  lambda step, total, loss: progress.update(bar, completed=step))
+    with TrainDisplay(0, _output.err_console) as display:
+        path = resolve_policy_dir(cfg, task, rlctl_home() / "cache", display.warm_start)
     if json_out:
         _output.print_json({"policy_dir": str(path), "dataset_version": task.version})
     else:

@@ -110,7 +110,7 @@ class RewardConfig(_Strict):
 
 class KLConfig(_Strict):
     coef: float = Field(0.0, ge=0.0, description="beta; 0 disables the reference model.")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (SPEC R-ALGO-4).")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator: k1 (unbiased, noisy), k2 (x^2/2), k3 (unbiased, >= 0).")
     placement: Literal["loss", "reward"] = Field("loss", description="Add to the loss or subtract from the reward.")
 
 
@@ -122,7 +122,7 @@ class AlgoConfig(_Strict):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (DAPO clip-higher); default = clip_eps.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses reduce to a scalar (SPEC R-ALGO-6)."
+        "token-mean", description="How per-token losses reduce to a scalar: mean over all tokens, mean of per-sequence means, or per-sequence sums over max_tokens."
     )
     ppo_epochs: int = Field(1, ge=1, le=8, description="Passes over each batch.")
     num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
@@ -159,7 +159,8 @@ class TrainConfig(_Strict):
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    log_every: int = Field(1, ge=1, description="Metric logging period in steps.")
+    log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
+                           "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "

@@ -3,16 +3,19 @@
 What this is: a frozen dataclass of tensors plus the per-row bookkeeping a
 learner needs. Built by rlctl.engine.batching from Trajectory objects.
 
-What this is not: a data loader. Tensors are typed Any so that importing the
-contracts never imports torch.
+What this is not: a data loader. Tensors are annotated as torch Tensors under
+TYPE_CHECKING only, so that importing the contracts never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl.contracts.types import SamplingConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,15 +27,15 @@ class TrainBatch:
     response tokens that are trained on (never on prompt or padding).
     """
 
-    input_ids: Any  # [N, T] long
-    attention_mask: Any  # [N, T] long, 1 on real tokens
-    action_mask: Any  # [N, T] float, 1 on trained response tokens
-    behavior_logprobs: Any  # [N, T] float32, log mu, 0 outside action_mask
-    advantages: Any  # [N, T] float32, per-token advantage (GRPO: the sequence's, broadcast)
+    input_ids: Tensor  # [N, T] long
+    attention_mask: Tensor  # [N, T] long, 1 on real tokens
+    action_mask: Tensor  # [N, T] float, 1 on trained response tokens
+    behavior_logprobs: Tensor  # [N, T] float32, log mu, 0 outside action_mask
+    advantages: Tensor  # [N, T] float32, per-token advantage (GRPO: the sequence's, broadcast)
     sampling: SamplingConfig
     trajectory_ids: tuple[str, ...]
     policy_versions: tuple[int, ...]
-    ref_logprobs: Any | None = None  # [N, T] when the KL reference is used
+    ref_logprobs: Tensor | None = None  # [N, T] when the KL reference is used
 
     @property
     def num_sequences(self) -> int:

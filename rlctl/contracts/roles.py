@@ -1,9 +1,14 @@
 """Role interfaces: what the loop may call on each backend.
 
-What this is: typing.Protocols for the roles of SPEC/DESIGN (task source,
-rollout backend, reward function, learner backend, metric sink). Backends are
-plain classes in plugins/ that satisfy these by shape; rlctl.hooks checks the
-shape when a plugin registers.
+What this is: typing.Protocols for the roles (task source, rollout backend,
+reward function, learner backend, metric sink). Backends are plain classes in
+plugins/ that satisfy these by shape; rlctl.hooks checks the shape when a
+plugin's factory builds one. Every method or attribute that core (engine, ops)
+uses on a role is declared here, so a third-party backend that satisfies the
+Protocol runs (tests/unit/test_role_contracts.py checks this by recording
+every attribute core touches). Core never branches on a backend's name: what
+it needs to know about a backend (e.g. memory terms) it asks through these
+Protocols.
 
 What this is not: an implementation or a base class to inherit from.
 """
@@ -15,8 +20,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_chec
 from rlctl.contracts.types import (
     CheckpointManifest,
     CheckpointState,
+    LearnerMemory,
     LearnerState,
     RewardResult,
+    RolloutMemory,
     RolloutRequest,
     TaskData,
     Trajectory,
@@ -24,6 +31,8 @@ from rlctl.contracts.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
     from rlctl.contracts.batch import TrainBatch
 
 
@@ -51,7 +60,15 @@ class RolloutBackend(Protocol):
         ...
 
     def health(self) -> Mapping[str, Any]:
-        """Report liveness and the policy version being served."""
+        """Report liveness and the policy version being served (JSON-like values)."""
+        ...
+
+    def resident_tensors(self) -> Mapping[str, Sequence["Tensor"]]:
+        """Tensors held in this process between calls, by memory-ledger term (``"rollout weights"``).
+
+        The dry-run measures these against its ledger; a backend whose weights
+        live in another process returns ``{}``.
+        """
         ...
 
     def close(self) -> None: ...
@@ -75,17 +92,61 @@ class LearnerBackend(Protocol):
 
     policy_version: int
 
-    def logprobs(self, batch: "TrainBatch") -> Any:
-        """Per-token log pi_theta of the batch's tokens under its sampling config, [N, T]."""
+    def logprobs(self, batch: "TrainBatch") -> "Tensor":
+        """Per-token log pi_theta of the batch's tokens under its sampling config, [N, T] (0 off response)."""
+        ...
+
+    def ref_logprobs(self, batch: "TrainBatch") -> "Tensor | None":
+        """Per-token log-probs under the frozen reference, [N, T]; None when there is none (KL coef 0)."""
         ...
 
     def train_step(self, batch: "TrainBatch") -> Mapping[str, float]:
-        """Run the configured PPO epochs / mini-batches on one batch; return metrics."""
+        """Run the configured PPO epochs / mini-batches on one batch; return metrics.
+
+        ``policy_version`` goes up by one when the weights changed, and not when
+        every update of the step was skipped (non-finite gradients).
+        """
         ...
 
     def export_weights(self) -> WeightUpdate:
         """The current policy weights, tagged with ``policy_version``."""
         ...
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the current policy into the (empty, existing) ``directory`` as a Hugging Face model.
+
+        Core makes the directory durable (fsync, atomic rename); the learner
+        only writes files.
+        """
+        ...
+
+    def resident_tensors(self) -> Mapping[str, Sequence["Tensor"]]:
+        """Tensors held between steps, by memory-ledger term.
+
+        Terms: ``"policy parameters"``, ``"policy gradients"``, ``"policy
+        optimizer states"``, ``"reference parameters"`` (and ``"master
+        weights"`` when low-precision parameters keep an fp32 copy). The
+        dry-run measures these against its ledger.
+        """
+        ...
+
+
+@runtime_checkable
+class LearnerMemoryTerms(Protocol):
+    """A learner plugin's validated options that describe its memory (the dry-run asks before any weights load).
+
+    ``gpu_plan``: the ledger plans a GPU run of a real model; settings the user
+    left at their defaults may then be reported as a GPU run would use them.
+    """
+
+    def memory_terms(self, *, gpu_plan: bool) -> LearnerMemory: ...
+
+
+@runtime_checkable
+class RolloutMemoryTerms(Protocol):
+    """A rollout plugin's validated options that describe its memory (see LearnerMemoryTerms)."""
+
+    def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory: ...
 
 
 @runtime_checkable

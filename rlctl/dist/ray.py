@@ -178,6 +178,9 @@ class RayLearner:
     def save_pretrained(self, directory: str) -> None:
         self._call("save_pretrained", directory)
 
+    def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
+        return {}  # the learner's tensors live in the actor's process
+
     def pid(self) -> int:
         return ray.get(self.actor.pid.remote())
 

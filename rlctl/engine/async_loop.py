@@ -193,6 +193,9 @@ class WorkerPool:
     def health(self) -> Mapping[str, Any]:
         return {"workers": len(self.workers), "policy_version": self.policy_version}
 
+    def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
+        return {}  # each worker holds its own copy (a thread's backend or an actor's process)
+
     def close(self) -> None:
         for worker in self.workers:
             close = getattr(worker, "close", None)
@@ -407,9 +410,9 @@ class AsyncDriver:
     def _step(self, step: int) -> dict[str, float]:
         import torch
 
-        from rlctl.algo.advantages import grpo_advantages
         from rlctl.algo.importance import lag_divergence, truncated_is_weights
-        from rlctl.algo.kl import kl_estimate
+        from rlctl.algo.kl import kl_shaped_rewards
+        from rlctl.engine.loop import compute_advantages
 
         s, spec = self.session, self.spec
         t0 = time.perf_counter()
@@ -442,9 +445,9 @@ class AsyncDriver:
             batch = replace(batch, behavior_logprobs=behavior)
         if spec.kl_coef > 0 and spec.kl_placement == "reward":
             ref = s.learner.ref_logprobs(batch)  # [N, T]
-            kl_seq = (kl_estimate(batch.behavior_logprobs, ref, spec.kl_estimator) * batch.action_mask).sum(-1)
-            rewards = rewards - spec.kl_coef * kl_seq.view_as(rewards)
-        advantages, adv_stats = grpo_advantages(rewards, valid, normalize_std=spec.normalize_std)  # [B', G]
+            rewards = kl_shaped_rewards(rewards, batch.behavior_logprobs, ref, batch.action_mask, spec.kl_coef,
+                                        spec.kl_estimator)
+        advantages, adv_stats = compute_advantages(rewards, valid, spec)  # [B', G]
         per_token = advantages.reshape(-1, 1).float() * (batch.action_mask > 0) * weight  # [N, T]
         batch = replace(batch, advantages=per_token)
         learner_stats = s.learner.train_step(batch)
@@ -462,7 +465,8 @@ class AsyncDriver:
         wall = t3 - t0
         metrics = step_metrics(scored=scored, learner_stats=learner_stats, adv_stats=adv_stats, advantages=advantages,
                                verify_latencies=[], learner_version=s.learner.policy_version,
-                               times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2})
+                               times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2},
+                               trained_version=version)
         metrics.update(overlap_metrics(staleness=[dv for dv in taken.staleness for _ in range(spec.group_size)],
                                        dlag=dlag, latencies=latencies, bound=spec.staleness_bound))
         stats = self.queue.stats()

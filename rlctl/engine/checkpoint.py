@@ -68,7 +68,7 @@ from rlctl.contracts.types import (
     ShadowBatch,
 )
 from rlctl.engine import state_codec
-from rlctl.engine.durable import fsync_path
+from rlctl.engine.durable import fsync_path, write_dir_durably
 from rlctl.engine.faults import crash_point
 
 COMMITTED = "COMMITTED"
@@ -390,25 +390,15 @@ def export_hf(path: str | Path, target: str | Path) -> Path:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"export target {target} exists and is not an empty directory",
                               "choose a new directory for --hf")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> None:
         for f in manifest.files:
             if f.path.startswith("model/"):
                 data = (path / f.path).read_bytes()
                 if hashlib.sha256(data).hexdigest() != f.sha256:
                     raise CheckpointError(f"{f.path} changed while exporting", "retry the export")
                 _write_bytes(tmp / f.path[len("model/"):], data)
-        fsync_path(tmp)
-        if target.exists():
-            target.rmdir()
-        os.rename(tmp, target)
-        fsync_path(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir_durably(target, fill)
     return target
 
 

@@ -3,7 +3,7 @@
 What this is: decode every prompt of the split once with fixed greedy decoding
 through the configured rollout backend, grade it with the run's correctness
 reward (the ``math`` component, or the first component), and compare two
-policies on the same prompts with a paired bootstrap 95% CI (SPEC R-EVAL).
+policies on the same prompts with a paired bootstrap 95% CI.
 
 What this is not: registry bookkeeping (rlctl.ops.evaluate) or sampling-based
 pass@k.

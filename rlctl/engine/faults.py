@@ -4,7 +4,7 @@ What this is: ``crash_point(point, detail)``, called at every write boundary
 of the checkpoint commit protocol (rlctl.engine.checkpoint). When the
 environment variable ``RLCTL_CRASH_AT`` names that boundary, the process
 kills itself with SIGKILL: no cleanup handler, no flush, exactly like a power
-cut of the process (SPEC R-FAULT wants real faults, not simulated ones).
+cut of the process (recovery is tested against real faults, not simulated ones).
 
     RLCTL_CRASH_AT=POINT[:DETAIL][@N]
 

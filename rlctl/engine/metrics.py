@@ -1,4 +1,4 @@
-"""Per-step metrics under the names of SPEC R-MET (the names are an interface).
+"""Per-step metrics under stable names (the names are an interface: sinks, dashboards and tests read them).
 
 What this is: a pure function from one step's scored trajectories, learner
 statistics and stage times to a flat ``{name: value}`` dict.
@@ -23,7 +23,11 @@ from rlctl.contracts.types import TerminalReason, Trajectory
 
 def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
                  advantages: Any, verify_latencies: Sequence[float], learner_version: int,
-                 times: Mapping[str, float]) -> dict[str, float]:
+                 times: Mapping[str, float], trained_version: int | None = None) -> dict[str, float]:
+    """One step's metrics. ``trained_version``: the learner's policy version the batch was trained
+    against (before the update; default ``learner_version - 1``); staleness is measured from it, so a
+    step whose update was skipped does not report negative staleness."""
+    base = learner_version - 1 if trained_version is None else trained_version
     ok = [t for t in scored if t.reward_error is None]
     rewards = [float(t.reward) for t in ok if t.reward is not None]
     lengths = [t.num_response_tokens for t in scored]
@@ -44,8 +48,8 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         "esr": useful / len(scored) if scored else 0.0,
         "step_time_s": step_time,
         "policy_version": float(learner_version),
-        "staleness_mean": _mean([learner_version - 1 - t.policy_version for t in scored]),
-        "staleness_max": float(max((learner_version - 1 - t.policy_version for t in scored), default=0)),
+        "staleness_mean": _mean([base - t.policy_version for t in scored]),
+        "staleness_max": float(max((base - t.policy_version for t in scored), default=0)),
     }
     out["effective_tokens_per_s"] = out["generated_tokens_per_s"] * out["esr"]
     for name in sorted({k for t in ok for k in t.reward_components}):

@@ -1,14 +1,15 @@
 """MixedReward: a weighted sum of reward functions with every component recorded.
 
 What this is: a library class the engine builds from (name, weight, function)
-triples (SPEC R-REW-3). total = sum(weight * component total); each component's
+triples. total = sum(weight * component total); each component's
 total is recorded under its configured name; grader_version names every part.
 
 What this is not: a registered plugin component, or a place where errors
 vanish. If any component fails (returns an error_code, raises, or gives a
 non-finite value) the result carries ``error_code`` and ``total`` is 0.0 only
 because NaN is not allowed: ``total`` is MEANINGLESS whenever ``error_code`` is
-set, and the engine must exclude the sample (SPEC R-REW-4). Exceptions are
+set, and the engine must exclude the sample (a grader failure is never a
+zero score). Exceptions are
 turned into ``error_code="grader_error:<name>"`` with the message in ``log``.
 """
 

@@ -7,7 +7,8 @@ to a CheckpointStore, which writes it in the background), ``capture`` and
 states), and ``compatibility_problems``, the check a resume runs before it
 trusts a checkpoint with today's config, data and tokenizer.
 
-Restore order (SPEC R-CKPT-3, RELIABILITY B.1): the learner first, then the
+Restore order (a resumed run must continue exactly where it stopped, and
+loading never runs code): the learner first, then the
 data cursor, then the shadow forward (refuse if the log-probs moved beyond the
 tolerance), then the rollout backend receives the restored weights before it
 generates anything, and the process RNG states come last so nothing above

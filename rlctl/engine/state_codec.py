@@ -10,7 +10,7 @@ tuples; an optimizer's state is keyed by int). ``clone`` makes a private copy
 of a tree (every tensor cloned), which is what a snapshot needs.
 
 What this is not: a general serialiser. An object of any other type is a
-TypeError naming its path: loading must never run code (RELIABILITY B.1).
+TypeError naming its path: loading a checkpoint must never run code (no pickle).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Weight publishing: the Broadcaster (learner side) and the Receiver (rollout side).
 
-What this is: the protocol of SPEC R-SYNC. ``Broadcaster.publish`` encodes a
+What this is: the weight-sync protocol. ``Broadcaster.publish`` encodes a
 learner's ``WeightUpdate`` (raw / bf16 / fp8, optionally as a delta against
 the last published version), hands the shards to a transport that makes the
 version visible only once all of it is in place (see rlctl.engine.transports),
@@ -9,7 +9,8 @@ committed version, has every shard checksum verified, decodes it against the
 receiver's current weights when it is a delta, and returns a full
 ``WeightUpdate``; the rollout backend applies it all-or-nothing and proves it
 with the fingerprint (never half-old, half-new). ``await_confirmation`` is how
-a learner pauses until the rollout side confirms a version (R-SYNC-4): a
+a learner pauses until the rollout side confirms a version (no sample is
+drawn from weights the learner has not confirmed): a
 bounded retry, then a RoleError that says what is stuck.
 
 Ordering invariants: versions are published in increasing order and are

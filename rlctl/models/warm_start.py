@@ -3,8 +3,8 @@
 What this is: a short SFT stage on the train split (loss on answer tokens
 only) that gives the tiny model a starting policy GRPO can improve, and the
 cache that makes it run once per (model shape, warm-start settings, dataset
-version, seed). The cache entry is written to a temp dir and renamed into place
-after a ``COMPLETE`` marker, so a killed warm start never leaves a half model.
+version, seed). The cache entry is written durably (temp dir, fsync, rename) with a
+``COMPLETE`` marker inside, so a killed warm start never leaves a half model.
 
 What this is not: a general SFT trainer for large models.
 """
@@ -14,9 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,16 +44,15 @@ def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root
     if model.warm_start.enabled and model.warm_start.steps:
         sft(net, tokenizer, task.train, steps=model.warm_start.steps, batch_size=model.warm_start.batch_size,
             lr=model.warm_start.lr, seed=seed, progress=progress)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    from rlctl.engine.durable import write_dir_durably
+
+    def fill(tmp: Path) -> None:
         net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text("ok\n")
-        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    if not (target / "COMPLETE").is_file():  # another process may have built it meanwhile
+        write_dir_durably(target, fill)
     return target
 
 

@@ -1,5 +1,7 @@
-"""Run-level operations: train and evaluate runs with their registry bookkeeping.
+"""Run-level operations: train, resume and evaluate runs with their registry bookkeeping.
 
-What this is: the library functions CLI commands call (one each). They own the
-run directory and the registry rows; the loop itself lives in rlctl.engine.
+What this is: the library functions CLI commands call (one each). The run
+lifecycle (registry row, status, sinks, hooks, lock, signals) is
+rlctl.ops.run.Run; the run directory's layout is rlctl.engine.rundir.RunDir;
+the loop itself lives in rlctl.engine.loop.
 """

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import ConfigError
+from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
 from rlctl.ops.memory import PHASES, DeviceLedger, Placement, Strategy, Workload, ledger
 from rlctl.ops.shapes import ModelShape, builtin_shape, from_hf_config, resolve_shape
@@ -47,7 +48,7 @@ class DryrunOptions:
     device_memory_bytes: int | None = None  # None: host RAM on CPU
     placements: tuple[str, ...] = ("colocate",)
     shape: str | None = None  # preset name or config.json; None: the config's model
-    zero_stage: int | None = None  # None: from the learner (0 for the plain torch learner)
+    zero_stage: int | None = None  # None: what the learner reports (its memory_terms)
     prompt_tokens: int | None = None  # None: measured from the train split with the run's tokenizer
     headroom: float = 0.15
     smoke: bool = True
@@ -108,8 +109,10 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
     checks, task, tokenizer, prompt_max = validate(config, plugins, home)
     shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
-    work = workload(config, options.prompt_tokens or prompt_max)
-    strat = strategy(config, options, shape, gpu=options.device_memory_bytes is not None)
+    gpu = options.device_memory_bytes is not None
+    roles = role_memory(config, plugins, gpu_plan=gpu and (options.shape is not None or not config.model.builtin))
+    work = workload(config, options.prompt_tokens or prompt_max, roles)
+    strat = strategy(options, roles, gpu=gpu)
     capacity = options.device_memory_bytes or host_memory_bytes()
     placements = {}
     for text in options.placements:
@@ -120,6 +123,7 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
         placements[place.label] = ledger(shape, work, strat, place, capacity, options.headroom)
     notes = [f"prompt tokens: {work.prompt_tokens} "
              + ("(--prompt-tokens)" if options.prompt_tokens else "(longest train prompt, run's tokenizer)")]
+    notes += roles.notes
     smoke = None
     if options.smoke:
         if options.shape:
@@ -197,32 +201,61 @@ def config_shape(config: RunConfig, tokenizer: Any) -> ModelShape:
     return from_hf_config(json.loads(path.read_text()), name=Path(config.model.path).name, source=str(path))
 
 
-def workload(config: RunConfig, prompt_tokens: int) -> Workload:
+@dataclass(frozen=True, slots=True)
+class RoleMemory:
+    """What the configured learner and rollout backends report about their memory."""
+
+    learner: LearnerMemory
+    rollout: RolloutMemory
+    notes: tuple[str, ...] = ()
+
+
+def role_memory(config: RunConfig, plugins: Plugins, *, gpu_plan: bool) -> RoleMemory:
+    """Ask each configured backend's validated options for its memory terms (defaults, with a note, if it has none)."""
+    from rlctl.config.load import validate_options
+    from rlctl.contracts.roles import LearnerMemoryTerms, RolloutMemoryTerms
+
+    notes = []
+    learner_opts = validate_options(plugins.get("learner_backend", config.train.learner).options,
+                                    config.train.learner_options, "train.learner_options")
+    rollout_opts = validate_options(plugins.get("rollout_backend", config.rollout.backend).options,
+                                    config.rollout.options, "rollout.options")
+    if isinstance(learner_opts, LearnerMemoryTerms):
+        learner = learner_opts.memory_terms(gpu_plan=gpu_plan)
+    else:
+        learner = LearnerMemory()
+        notes.append(f"learner {config.train.learner!r} reports no memory terms: the ledger assumes fp32 "
+                     "parameters, fp32 AdamW and no sharding")
+    if isinstance(rollout_opts, RolloutMemoryTerms):
+        rollout = rollout_opts.memory_terms(gpu_plan=gpu_plan)
+    else:
+        rollout = RolloutMemory()
+        notes.append(f"rollout backend {config.rollout.backend!r} reports no memory terms: the ledger assumes a "
+                     "serving engine that holds the whole batch")
+    return RoleMemory(learner=learner, rollout=rollout, notes=tuple(notes))
+
+
+def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory) -> Workload:
     rows = config.algo.prompts_per_step * config.algo.group_size
-    chunk = int(config.rollout.options.get("max_batch_sequences", rows)) if config.rollout.backend == "local" else rows
+    chunk = roles.rollout.max_rows or rows
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
                     rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
-                    shared_prefill=config.train.learner == "torch" and config.algo.group_size > 1
-                    and bool(config.train.learner_options.get("share_prompt_prefill", True)))
+                    shared_prefill=roles.learner.shared_prefill and config.algo.group_size > 1)
 
 
-def strategy(config: RunConfig, options: DryrunOptions, shape: ModelShape, gpu: bool) -> Strategy:
-    """Precision and sharding: the torch learner's options on CPU, mixed precision for GPU shapes."""
-    opts = config.train.learner_options
-    real_model = options.shape is not None or not config.model.builtin
-    dtype = opts.get("dtype", "bfloat16" if (gpu and real_model) else "float32")
-    b = 2 if dtype == "bfloat16" else 4
-    mixed = gpu and b == 2  # GPU learners keep fp32 master weights and fp32 Adam moments
-    stage = options.zero_stage if options.zero_stage is not None else int(opts.get("zero_stage", 0))
+def strategy(options: DryrunOptions, roles: RoleMemory, gpu: bool) -> Strategy:
+    """Precision and sharding as the learner reports them (``--zero-stage`` overrides the stage)."""
+    mem = roles.learner
+    stage = options.zero_stage if options.zero_stage is not None else mem.zero_stage
     if not 0 <= stage <= 3:
         raise ConfigError(f"--zero-stage must be 0..3, got {stage}", "use 3 for ZeRO-3 / FSDP full shard")
-    # on GPUs the rollout is modelled as a serving engine (bf16, layer-bucketed weight sync): rlctl's local
+    # on GPUs the rollout is modelled as a serving engine (bf16, layer-bucketed weight sync): an in-process
     # engine is a CPU / small-model engine
-    engine = "local" if config.rollout.backend == "local" and not gpu else "serving"
-    return Strategy(param_bytes=b, master_weights=mixed, optim_state_bytes=8 if (mixed or b == 4) else 2 * b,
-                    zero_stage=stage, checkpointing=bool(opts.get("gradient_checkpointing", False)),
+    engine = "in-process" if roles.rollout.in_process and not gpu else "serving"
+    return Strategy(param_bytes=mem.param_bytes, master_weights=mem.master_weights,
+                    optim_state_bytes=mem.optim_state_bytes, zero_stage=stage, checkpointing=mem.checkpointing,
                     rollout_bytes=2 if gpu and engine == "serving" else 4, engine=engine, gpu=gpu)
 
 
@@ -259,7 +292,7 @@ def smoke_config(config: RunConfig, task: Any, home: Path) -> tuple[RunConfig, b
 
 
 def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, options: DryrunOptions) -> SmokeResult:
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
     from rlctl.engine.session import build_session
 
     cfg, untrained = smoke_config(config, task, home)
@@ -276,17 +309,18 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
 
     try:
         with meter:
-            metrics = run_sync(session, [], observe)
+            metrics = run_sync(session, LoopSpec.from_config(cfg), [], observe)
     finally:
         session.rollout.close()
     wall = time.perf_counter() - started
     tokenizer_vocab = len(session.tokenizer)
     shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
     prompt_max = max(len(session.tokenizer(p.text)["input_ids"]) for p in task.train)
-    strat = strategy(cfg, replace(options, shape=None, zero_stage=0), shape, gpu=False)  # allocator bytes only
+    roles = role_memory(cfg, plugins, gpu_plan=False)
+    strat = strategy(replace(options, shape=None, zero_stage=0), roles, gpu=False)  # allocator bytes only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max), response_tokens=max(1, int(max(longest))))
+    observed = replace(workload(cfg, prompt_max, roles), response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
 
@@ -323,9 +357,8 @@ class _Phased:
 
 
 def make_meter(session: Any) -> "_Meter":
-    model = getattr(session.learner, "model", None)
-    device = next(model.parameters()).device.type if model is not None else "cpu"
-    return _CudaMeter(session) if device == "cuda" else _DispatchMeter(session)
+    on_cuda = any(t.device.type == "cuda" for ts in session.learner.resident_tensors().values() for t in ts)
+    return _CudaMeter(session) if on_cuda else _DispatchMeter(session)
 
 
 class _Meter:
@@ -438,43 +471,19 @@ def _live_mode(meter: _DispatchMeter) -> Any:
 
 
 def role_tensors(session: Any) -> list[Any]:
-    """Every tensor the roles hold: module parameters, buffers and grads, optimizer state."""
-    import torch
-
-    out = []
-    for role in (session.rollout, session.learner):
-        role = getattr(role, "_role", role)
-        for value in vars(role).values():
-            if isinstance(value, torch.nn.Module):
-                out += [t for t in value.parameters()] + [p.grad for p in value.parameters() if p.grad is not None]
-                out += list(value.buffers())
-            elif isinstance(value, torch.optim.Optimizer):
-                out += [t for state in value.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    return out
+    """Every tensor the roles report holding between calls (parameters, gradients, optimizer state...)."""
+    return [t for role in (session.rollout, session.learner) for ts in role.resident_tensors().values() for t in ts]
 
 
 def persistent_bytes(session: Any) -> dict[str, int]:
-    """Measured sizes of the ledger's persistent terms (unique storages), named like the ledger's terms."""
-    import torch
+    """Measured sizes of the ledger's persistent terms (unique storages), as the roles name them."""
 
-    def size(tensors: list[Any]) -> int:
+    def size(tensors: Any) -> int:
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(seen.values())
 
-    rollout = getattr(session.rollout, "_role", session.rollout)
-    learner = getattr(session.learner, "_role", session.learner)
     out = {}
-    if isinstance(getattr(rollout, "model", None), torch.nn.Module):
-        out["rollout weights"] = size(list(rollout.model.parameters()))
-    model = getattr(learner, "model", None)
-    if isinstance(model, torch.nn.Module):
-        out["policy parameters"] = size(list(model.parameters()))
-        out["policy gradients"] = size([p.grad for p in model.parameters() if p.grad is not None])
-    opt = getattr(learner, "optimizer", None)
-    if isinstance(opt, torch.optim.Optimizer):
-        out["policy optimizer states"] = size([t for st in opt.state.values() for t in st.values()
-                                               if isinstance(t, torch.Tensor) and t.dim() > 0])
-    ref = getattr(learner, "reference", None)
-    if isinstance(ref, torch.nn.Module):
-        out["reference parameters"] = size(list(ref.parameters()))
+    for role in (session.rollout, session.learner):
+        for term, tensors in role.resident_tensors().items():
+            out[term] = size(tensors)
     return out

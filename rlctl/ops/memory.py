@@ -1,4 +1,4 @@
-"""The memory ledger (SPEC R-MEM): bytes per role and per device, from shapes and settings alone.
+"""The memory ledger: bytes per role and per device, from shapes and settings alone.
 
 What this is: pure arithmetic. ``ledger()`` turns a model shape, a workload
 (batch, lengths), a training strategy (precision, ZeRO/FSDP stage, activation
@@ -91,7 +91,7 @@ class Strategy:
     offload_optimizer: bool = False  # optimizer states (+ master) in host memory
     rollout_bytes: int = 4  # rollout engine weights and KV cache element size
     rollout_tp: int = 1  # tensor-parallel degree of one rollout engine
-    engine: Literal["local", "serving"] = "local"
+    engine: Literal["in-process", "serving"] = "in-process"  # rollout weights in the driver, or a server
     gpu: bool = False
 
     def describe(self) -> str:
@@ -241,7 +241,7 @@ def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: i
         Term("rollout", "KV cache", kv, "rollout",
              f"2 x {rows} seqs x L x H_kv x d x {work.seq_tokens} tok x {b}B / TP {tp}"),
     ]
-    if strat.engine == "local":  # rlctl's local engine refolds q/k/v and gate/up (+ LM head) per call
+    if strat.engine == "in-process":  # an in-process engine (rlctl's local one) refolds q/k/v and gate/up (+ LM head) per call
         q = shape.num_heads * shape.head_dim
         per_layer = shape.hidden_size * (q + 2 * shape.kv_dim + 2 * shape.intermediate_size)
         fused = (shape.num_layers * per_layer + shape.vocab_size * shape.hidden_size) * b
@@ -258,12 +258,12 @@ def runtime_terms(shape: ModelShape, strat: Strategy, has_rollout: bool, has_lea
     if has_learner:
         terms.append(Term("policy", "communication buffers", comm_bytes(shape, strat, place.learner_devices),
                           "train", _comm_formula(strat, place.learner_devices)))
-        publish = shape.num_params * strat.param_bytes if strat.engine == "local" else \
+        publish = shape.num_params * strat.param_bytes if strat.engine == "in-process" else \
             shape.layer_params * strat.param_bytes * 2
         terms.append(Term("policy", "weight-sync buffers", publish, "sync",
-                          "full state-dict copy (in-process publish)" if strat.engine == "local"
+                          "full state-dict copy (in-process publish)" if strat.engine == "in-process"
                           else "2 layer buckets (layer-wise publish)"))
-    if has_rollout and strat.engine == "local" and has_learner:
+    if has_rollout and strat.engine == "in-process" and has_learner:
         terms.append(Term("rollout", "weight-sync staging", shape.num_params * strat.rollout_bytes, "sync",
                           "staged copy checked before swap"))
     if strat.gpu:

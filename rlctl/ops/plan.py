@@ -1,4 +1,4 @@
-"""Capacity planner for the SPEC R-RECIPE 7B / 8-GPU recipe: colocated vs 4+4 split. ESTIMATES, not results.
+"""Capacity planner for a 7B policy on 8 GPUs: colocated vs 4+4 split. ESTIMATES, not results.
 
 What this is: ``plan()``, behind ``rlctl dryrun --plan``. For each placement
 (8 colocated; 4 rollout + 4 learner, synchronous and one-step-off) and for 32
@@ -16,8 +16,8 @@ from a roofline model with stated assumptions (``Hardware``):
   engine's weights over PCIe; split = one broadcast of bf16 weights over NVLink;
 - reward: rule rewards on CPU, not modelled (reported as 0).
 
-Nothing here is measured: every figure is labelled as an estimate (SPEC
-R-RECIPE: never write an estimate as a result).
+Nothing here is measured: every figure is labelled as an estimate, and an
+estimate is never written as a result.
 
 What this is not: a simulator of queueing, stragglers or partial rollout.
 """

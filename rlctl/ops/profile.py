@@ -109,7 +109,7 @@ def profile_config(config: Any, *, registry: Any, plugins: Any, home: Path, comp
 
     marks: list[float] = []
     result = train(config, registry=registry, plugins=plugins, home=home, callbacks=TrainCallbacks(
-        start=lambda first, total: marks.append(time.perf_counter()),
+        start=lambda first, total, log_every: marks.append(time.perf_counter()),
         step=lambda step, metrics: marks.append(time.perf_counter())))
     walls = [b - a for a, b in zip(marks, marks[1:])]
     first = result.first_step

@@ -4,7 +4,7 @@ What this is: ``ModelShape`` (the handful of numbers memory and FLOPs depend
 on: layers, widths, heads, vocabulary, tied embeddings) and ``resolve_shape``,
 which reads them without loading any weights. Presets use the published
 Qwen2.5 dense shapes (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B,32B,72B}), the
-family the SPEC recipes name by size.
+family the recipes name by size.
 
 What this is not: a model loader (rlctl.models.load) or the ledger itself
 (rlctl.ops.memory). Nothing here imports torch.

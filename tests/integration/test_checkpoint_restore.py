@@ -49,7 +49,7 @@ def _params(session) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
     """4 steps with a (synchronous) checkpoint every 2 steps: final params, metrics, checkpoint dir."""
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     root = tmp_path_factory.mktemp("ck") / "checkpoints"
     session = _session(plugins, _rlctl_home)
@@ -57,14 +57,14 @@ def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
     checkpointer = StepCheckpointer(session, store, Provenance(run_id="r", config_hash="h", code_version="c"),
                                     every_steps=2, total_steps=4)
     sink = ListSink()
-    run_sync(session, [sink], checkpoint=checkpointer)
+    run_sync(session, LoopSpec.from_config(session.config), [sink], checkpoint=checkpointer)
     checkpointer.close()
     assert [b > 0 for b in checkpointer.blocking_s] == [True, True]
     return _params(session), sink.rows, root
 
 
 def test_restore_continues_bit_for_bit(plugins, _rlctl_home, straight):
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
 
     final, rows, root = straight
     state = DiskCheckpointStore(root).load(str(root / "step-000002"))
@@ -74,7 +74,7 @@ def test_restore_continues_bit_for_bit(plugins, _rlctl_home, straight):
     assert session.rollout.policy_version == session.learner.policy_version == 2
     assert session.rollout.health()["fingerprint"] == session.learner.export_weights().fingerprint
     sink = ListSink()
-    run_sync(session, [sink], start_step=2)
+    run_sync(session, LoopSpec.from_config(session.config), [sink], start_step=2)
     assert sorted(sink.rows) == [2, 3]
     for step in (2, 3):
         for name in LEARNING:

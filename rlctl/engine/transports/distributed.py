@@ -1,6 +1,6 @@
 """torch.distributed weight transport: broadcast from rank 0 over a private process group.
 
-What this is: the collective path (SPEC R-SYNC-1). Rank 0 publishes, ranks
+What this is: the collective weight-sync path. Rank 0 publishes, ranks
 1..N-1 receive. The group is private (its own TCPStore and ProcessGroupGloo,
 or ProcessGroupNCCL on GPU), so it never touches torch's default group. A
 version travels as: header length, manifest JSON (with every bucket's

@@ -1,0 +1,351 @@
+"""One run's lifecycle, for a new run and a resumed one alike.
+
+What this is: ``Run``, which owns everything around the loop: the registry row
+and its status (running -> succeeded / failed / interrupted), run events and
+warnings, metric sinks, observer hooks (``on_run_start``, ``on_step_end``,
+``on_run_end``), the checkpoint store with its registry index, the run
+directory's lock (through ``RunDir``), and signal handling. ``Run.create``
+records a new run, ``Run.reopen`` locks an existing one; both end in
+``Run.execute``, which runs the loop and saves the final policy.
+
+Rules it keeps:
+- the run directory is locked for the whole run, so one run has one writer;
+- SIGTERM is handled like Ctrl-C: the save in flight is finished (a second
+  signal abandons it cleanly), and the run is marked ``interrupted`` with an
+  event saying whether, and from which step, it can be resumed;
+- any other failure marks the run ``failed`` with the error, and re-raises;
+- the checkpoint directories are the truth: the registry's checkpoint rows
+  are indexed after each commit and reconciled with the directory on resume.
+
+What this is not: building roles (rlctl.engine.session), the loop
+(rlctl.engine.loop) or what a resume may change (rlctl.ops.checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from rlctl.config.load import config_hash
+from rlctl.config.models import RunConfig
+from rlctl.contracts.errors import CheckpointError, RlctlError
+from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecord, RunRecord
+from rlctl.engine.rundir import RunDir, RunLock
+from rlctl.hooks.manager import Plugins
+from rlctl.ops.provenance import code_version
+from rlctl.registry.store import Registry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlctl.engine.checkpoint import DiskCheckpointStore
+    from rlctl.engine.session import Session
+
+
+@dataclass
+class TrainCallbacks:
+    """Display hooks the CLI passes in; all optional."""
+
+    warm_start: Callable[[int, int, float], None] | None = None
+    run_started: Callable[[RunRecord], None] | None = None
+    step: Callable[[int, Mapping[str, float]], None] | None = None
+    eval_progress: Callable[[str], None] | None = None
+    start: Callable[[int, int, int], None] | None = None  # (first step, total steps, log_every), before the loop
+    warning: Callable[[str], None] | None = None
+
+
+@dataclass
+class TrainResult:
+    run: RunRecord
+    last_metrics: dict[str, float]
+    wall_s: float
+    eval: EvalRecord | None = None
+    eval_details: dict[str, Any] = field(default_factory=dict)
+    resumed_from: str | None = None  # the checkpoint directory a resume started from
+    first_step: int = 0
+
+
+class RegistrySink:
+    """MetricSink that writes each logged step into the registry's metrics table."""
+
+    def __init__(self, registry: Registry, run_id: str) -> None:
+        self.registry, self.run_id = registry, run_id
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.registry.log_metrics(self.run_id, step, metrics)
+
+    def close(self) -> None:
+        pass
+
+
+class Run:
+    """A run's registry row, directory, sinks, hooks and status; see the module docstring."""
+
+    def __init__(self, record: RunRecord, directory: RunDir, *, registry: Registry, plugins: Plugins,
+                 callbacks: TrainCallbacks | None, lock: RunLock | None = None, new: bool = False) -> None:
+        self.record, self.dir, self.registry, self.plugins = record, directory, registry, plugins
+        self.cb = callbacks or TrainCallbacks()
+        self.started = time.perf_counter()
+        self._lock, self._new = lock, new
+        self.session: "Session | None" = None
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, session: "Session", *, registry: Registry, plugins: Plugins, home: Path,
+               run_dir: Path | None, callbacks: TrainCallbacks | None, started: float) -> "Run":
+        """Record a new run with its provenance; its directory is ``run_dir`` or ``<home>/runs/<id>``."""
+        config = session.config
+        record = registry.create_run(
+            name=config.run.name, config=config.model_dump(mode="json"), config_hash=config_hash(config),
+            code_version=code_version(), dataset_version=session.task.version,
+            tokenizer_hash=session.tokenizer_hash, seed=config.run.seed, run_dir=str(run_dir) if run_dir else "")
+        run = cls(record, RunDir(run_dir or home / "runs" / record.id), registry=registry, plugins=plugins,
+                  callbacks=callbacks, new=True)
+        run.started, run.session = started, session
+        return run
+
+    @classmethod
+    def reopen(cls, run_ref: str, *, registry: Registry, plugins: Plugins, callbacks: TrainCallbacks | None,
+               started: float) -> "Run":
+        """An existing run whose directory still exists, locked for this process."""
+        record = registry.get_run(run_ref)
+        if not record.run_dir or not Path(record.run_dir).is_dir():
+            raise CheckpointError(f"run {record.id} has no run directory ({record.run_dir or 'none recorded'})",
+                                  "only runs whose directory still exists can be resumed")
+        directory = RunDir(record.run_dir)
+        run = cls(record, directory, registry=registry, plugins=plugins, callbacks=callbacks, lock=directory.lock())
+        run.started = started
+        return run
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator["Run"]:
+        """Until ``execute``: a failure closes the adopted rollout and releases the lock."""
+        try:
+            yield self
+        except BaseException:
+            if self.session is not None:
+                self.session.rollout.close()
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def adopt(self, session: "Session") -> "Session":
+        self.session = session
+        return session
+
+    # -- events --------------------------------------------------------------------------------
+
+    def warn(self, message: str) -> None:
+        """Show a warning and record it as a run event (the event is best effort: the warning is not)."""
+        if self.cb.warning:
+            self.cb.warning(message)
+        try:
+            self.registry.add_event(self.record.id, "warning", message)
+        except RlctlError:
+            pass  # the registry itself may be what failed; the warning was shown
+
+    def event(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
+        self.registry.add_event(self.record.id, kind, message, dict(data) if data is not None else None)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_store(self, config: RunConfig) -> "DiskCheckpointStore":
+        return checkpoint_store(self.dir.checkpoints, config, self.registry, self.record.id, self.warn, self.plugins)
+
+    def load_newest_checkpoint(self) -> tuple[str, CheckpointState, list[str]]:
+        """Drop partial checkpoints, load the newest that verifies, and reconcile the registry's rows."""
+        from rlctl.engine.checkpoint import DiskCheckpointStore
+
+        store = DiskCheckpointStore(self.dir.checkpoints)
+        removed = store.cleanup_partial()
+        if removed:
+            self.event("checkpoint_cleanup", f"removed uncommitted checkpoint directories: {', '.join(removed)}",
+                       {"removed": removed})
+        path, state, skipped = store.load_latest()
+        if state.run_id != self.record.id:
+            raise CheckpointError(f"the checkpoints in {store.root} belong to run {state.run_id}, not "
+                                  f"{self.record.id}", f"resume {state.run_id} instead")
+        for message in skipped:
+            self.warn(message)
+        reconcile(self.registry, self.record.id, store)
+        return path, state, skipped
+
+    def mark_resumed(self, state: CheckpointState, path: str, config: RunConfig, data: Mapping[str, Any]) -> None:
+        """Drop the metrics of the steps about to be re-run and record the ``resumed`` event."""
+        self.registry.delete_metrics_from(self.record.id, state.step)
+        self.registry.update_run(self.record.id, status="running", clear_error=True)
+        self.event("resumed", f"resumed at step {state.step} of {config.train.steps} from {path}",
+                   {"step": state.step, "checkpoint": path, "config_hash": config_hash(config), **data})
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def execute(self, *, start_step: int = 0, resumed_from: str | None = None) -> TrainResult:
+        """Run the adopted session's loop from ``start_step`` to the end, then evaluate if configured."""
+        from rlctl.engine.loop import LoopSpec, run_sync
+
+        session = self.session
+        assert session is not None, "adopt a session before execute"
+        config, run_id = session.config, self.record.id
+        sinks: list[Any] = []
+        checkpointer = None
+        status, last = "failed", {}
+        with _sigterm_as_interrupt():
+            try:
+                self._start_files(session)
+                if self.cb.run_started:
+                    self.cb.run_started(self.record)
+                sinks = [RegistrySink(self.registry, run_id)] + [
+                    self.plugins.build("metric_sink", name, {}, f"train.metric_sinks.{i}", run_dir=self.dir.root,
+                                       run_id=run_id) for i, name in enumerate(config.train.metric_sinks)]
+                checkpointer = self._checkpointer(session)
+                self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
+                if self.cb.start:
+                    self.cb.start(start_step, config.train.steps, config.train.log_every)
+                from rlctl.dist import needs_overlap, run_overlapped
+
+                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver
+                    last = run_overlapped(session, self.plugins, self.dir.root, sinks, self._on_step,
+                                          start_step=start_step, checkpoint=checkpointer, store=checkpointer.store)
+                else:
+                    last = run_sync(session, LoopSpec.from_config(config), sinks, self._on_step,
+                                    start_step=start_step, checkpoint=checkpointer)
+                checkpointer.close()
+                self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
+                                         session.tokenizer.save_pretrained)
+                status = "succeeded"
+            except KeyboardInterrupt:
+                status = "interrupted"
+                self._close_quietly(checkpointer)
+                newest = self.dir.newest_step()
+                where = (f"resume from step {newest} with `rlctl resume {run_id}`" if newest is not None
+                         else "no committed checkpoint yet, so it cannot be resumed")
+                self.event("interrupted", f"stopped by SIGINT/SIGTERM; {where}",
+                           {"resumable": newest is not None, "checkpoint_step": newest})
+                raise
+            except BaseException as err:
+                self._close_quietly(checkpointer)
+                self.registry.update_run(run_id, status="failed", error=f"{type(err).__name__}: {err}")
+                self.event("failed", f"{type(err).__name__}: {err}")
+                raise
+            finally:
+                for sink in sinks:
+                    sink.close()
+                if status != "failed":
+                    self.registry.update_run(run_id, status=status)
+                self.plugins.pm.hook.on_run_end(run_id=run_id, status=status)
+                session.rollout.close()
+                if self._lock is not None:
+                    self._lock.release()
+        return self._finish(config, last, start_step, resumed_from)
+
+    def _start_files(self, session: "Session") -> None:
+        """A new run records its directory and writes its files; then the directory is locked."""
+        if self._new:
+            if not self.record.run_dir:
+                self.record = self.registry.update_run(self.record.id, run_dir=str(self.dir.root))
+            r = self.record
+            self.dir.write_run_files(session.config.model_dump(mode="json"), {
+                "run_id": r.id, "config_hash": r.config_hash, "code_version": r.code_version,
+                "dataset_version": r.dataset_version, "tokenizer_hash": r.tokenizer_hash, "seed": r.seed,
+                "initial_policy": str(session.policy_dir)})
+        self._lock = self._lock or self.dir.lock()
+
+    def _on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.plugins.pm.hook.on_step_end(run_id=self.record.id, step=step, metrics=metrics)
+        if self.cb.step:
+            self.cb.step(step, metrics)
+
+    def _checkpointer(self, session: "Session") -> Any:
+        from rlctl.engine.snapshot import Provenance, StepCheckpointer
+
+        config = session.config
+        provenance = Provenance(run_id=self.record.id, config_hash=config_hash(config), code_version=code_version())
+        return StepCheckpointer(session, self.checkpoint_store(config), provenance,
+                                every_steps=config.checkpoint.every_steps, total_steps=config.train.steps)
+
+    def _close_quietly(self, checkpointer: Any) -> None:
+        """Finish the save in flight while the run is already stopping; report, never mask, its failure."""
+        if checkpointer is None:
+            return
+        try:
+            checkpointer.close()
+        except KeyboardInterrupt:
+            self.warn("the checkpoint save in flight was abandoned by a second interrupt")
+        except CheckpointError as err:
+            self.warn(err.message)
+
+    def _finish(self, config: RunConfig, last: Mapping[str, float], start_step: int,
+                resumed_from: str | None) -> TrainResult:
+        run_id = self.record.id
+        wall = time.perf_counter() - self.started
+        self.event("finished", f"{config.train.steps - start_step} steps in {wall:.1f}s",
+                   {"wall_s": wall, "first_step": start_step})
+        result = TrainResult(run=self.registry.get_run(run_id), last_metrics=dict(last), wall_s=wall,
+                             resumed_from=resumed_from, first_step=start_step)
+        if config.eval.at_end:
+            from rlctl.ops.evaluate import evaluate_run
+
+            result.eval, result.eval_details = evaluate_run(self.registry, self.plugins, run_id,
+                                                            progress=self.cb.eval_progress)
+        return result
+
+
+def checkpoint_store(root: Path, config: RunConfig, registry: Registry, run_id: str, warn: Callable[[str], None],
+                     plugins: Plugins | None = None) -> "DiskCheckpointStore":
+    """A DiskCheckpointStore at ``root``: each committed checkpoint is indexed in the registry, then announced."""
+    from rlctl.engine.checkpoint import DiskCheckpointStore, manifest_sha256
+
+    def on_commit(path: str, manifest: CheckpointManifest) -> None:
+        registry.add_checkpoint(run_id, manifest.step, path, manifest_sha256(manifest), manifest.metrics)
+        if plugins is not None:
+            plugins.pm.hook.on_checkpoint_saved(run_id=run_id, step=manifest.step, path=path, manifest=manifest)
+
+    def on_delete(path: str, manifest: CheckpointManifest) -> None:
+        registry.delete_checkpoint(run_id, manifest.step)
+
+    c = config.checkpoint
+    return DiskCheckpointStore(root, keep_last=c.keep_last, keep_best_metric=c.keep_best_metric,
+                               keep_best_mode=c.keep_best_mode, async_save=c.async_save, on_commit=on_commit,
+                               on_delete=on_delete, warn=warn)
+
+
+def reconcile(registry: Registry, run_id: str, store: "DiskCheckpointStore") -> list[str]:
+    """Make the registry's checkpoint rows match the committed directories (the directories are the truth)."""
+    from rlctl.engine.checkpoint import manifest_sha256
+
+    on_disk = {m.step: (path, m) for path, m in store.list_committed()}
+    rows = {r.step: r for r in registry.checkpoints(run_id)}
+    changes = []
+    for step in sorted(set(rows) - set(on_disk)):
+        registry.delete_checkpoint(run_id, step)
+        changes.append(f"dropped the row of step {step} (no committed directory)")
+    for step, (path, manifest) in sorted(on_disk.items()):
+        sha = manifest_sha256(manifest)
+        if step not in rows or (rows[step].manifest_sha256, rows[step].path) != (sha, path):
+            registry.add_checkpoint(run_id, step, path, sha, manifest.metrics)
+            changes.append(f"indexed {Path(path).name}")
+    if changes:
+        registry.add_event(run_id, "checkpoints_reconciled", "; ".join(changes), {"changes": changes})
+    return changes
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM (preemption, ``kill``) into KeyboardInterrupt for the block's duration (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
