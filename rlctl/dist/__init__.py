@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 def needs_overlap(config: Any) -> bool:
     """Whether a run goes through the overlapped driver rather than the plain synchronous loop."""
-    return config.mode != "sync" or config.cluster.backend != "local"
+    return config.mode != "sync" or config.cluster.backend == "ray"
 
 
 def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[Any],
