@@ -39,6 +39,11 @@ class PromptCursor:
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
+    def record_at(self, index: int) -> PromptRecord:
+        """The prompt at position ``index`` of the endless seeded order (epoch ``index // len``); no state change."""
+        epoch, position = divmod(index, len(self.records))
+        return self.records[self._order(epoch)[position]]
+
     def next(self, count: int) -> list[PromptRecord]:
         out: list[PromptRecord] = []
         while len(out) < count:

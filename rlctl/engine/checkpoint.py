@@ -438,6 +438,7 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
         "critic": state_codec.encode(state.critic, "critic", tensors),
         "cursor": dict(state.cursor), "rng": state_codec.encode(state.rng, "rng", tensors),
         "shadow": {"sampling": dataclasses.asdict(state.shadow.sampling)}, "metrics": dict(state.metrics),
+        "queue": None if state.queue is None else dict(state.queue),
     }
     yield "state.safetensors", save(tensors)
     yield "state.json", json.dumps(body, sort_keys=True, indent=1).encode()
@@ -474,6 +475,7 @@ def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
         code_version=body["code_version"], dataset_version=body["dataset_version"],
         tokenizer_hash=body["tokenizer_hash"], tokenizer_dir=str(path / "model"), metrics=body["metrics"],
         critic=state_codec.decode(body.get("critic"), tensors),  # absent in checkpoints from before critics
+        queue=body.get("queue"),
     )
 
 

@@ -47,7 +47,8 @@ class LoopSpec:
     kl_placement: Literal["reward", "loss"] = "loss"  # "loss" is the learner's business
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     log_every: int = 1  # sinks get every log_every-th step and the last one
-    mode: Literal["sync"] = "sync"  # later: one-step-off / async
+    mode: Literal["sync", "one_step_off", "async"] = "sync"  # run_sync runs sync; the others run in
+    # rlctl.engine.async_loop (rlctl.dist picks), whose AsyncSpec carries the queue and staleness settings
     max_staleness: int = 0  # policy versions a sample may lag behind (0 in sync mode)
     max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
     critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
@@ -60,8 +61,8 @@ class LoopSpec:
                    truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
                    kl_coef=a.kl.coef, kl_placement=a.kl.placement, kl_estimator=a.kl.estimator,
                    log_every=config.train.log_every, max_generated_tokens=config.train.max_generated_tokens,
-                   critic_warmup_steps=a.critic.warmup_steps,
-                   verifier_retries=config.faults.verifier_retries)
+                   critic_warmup_steps=a.critic.warmup_steps, verifier_retries=config.faults.verifier_retries,
+                   mode=config.mode, max_staleness=0 if config.mode == "sync" else config.staleness.max_staleness)
 
 
 def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import ConfigError, DataError
@@ -45,6 +45,8 @@ class Session:
     critic: CriticBackend | None = None  # the value model, when the estimator needs one
     reward_factory: Callable[[], MixedReward] | None = None  # a fresh grader, for retries after a timeout/crash
     reward_pool: Any = None  # a RewardPool when reward.workers > 1; the loop then grades through it
+    queue: Any = None  # the live TrajectoryQueue of an overlapped run (rlctl.engine.async_loop); None when sync
+    queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:

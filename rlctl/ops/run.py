@@ -215,9 +215,16 @@ class Run:
                                        start_step).start(checkpointer)
                 if self.cb.start:
                     self.cb.start(start_step, config.train.steps, config.train.log_every)
+                from rlctl.dist import needs_overlap, run_overlapped
+
                 spec = LoopSpec.from_config(config)
-                last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step, start_step=first,
-                                                              checkpoint=checkpointer), start_step, checkpointer)
+                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver
+                    last = run_overlapped(session, self.plugins, self.dir.root, sinks, self._on_step,
+                                          start_step=start_step, checkpoint=checkpointer, store=checkpointer.store)
+                else:
+                    last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step,
+                                                                  start_step=first, checkpoint=checkpointer),
+                                           start_step, checkpointer)
                 checkpointer.close()
                 self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
                                          session.tokenizer.save_pretrained)
