@@ -67,7 +67,8 @@ def rlctl_config(args: argparse.Namespace, model_dir: str | None = None) -> Any:
     from rlctl.config.load import load_config
 
     overrides = [
-        f"model.warm_start.steps={args.warm_start_steps}", f"algo.prompts_per_step={args.prompts}",
+        f"model.warm_start.steps={args.warm_start_steps}", "model.warm_start.target_dev_accuracy=null",
+        f"algo.prompts_per_step={args.prompts}",
         f"algo.group_size={args.group}", f"algo.micro_batch_size={args.prompts * args.group}",
         f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0", "train.optim.lr=5e-5",
         "eval.at_end=false", "checkpoint.every_steps=0", "train.metric_sinks=[]", f"train.steps={args.steps}",

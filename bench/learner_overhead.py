@@ -57,7 +57,8 @@ def session_and_batch(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
     from rlctl.hooks.manager import load_plugins
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        f"model.warm_start.steps={args.warm_start_steps}", f"algo.prompts_per_step={args.prompts}",
+        f"model.warm_start.steps={args.warm_start_steps}", "model.warm_start.target_dev_accuracy=null",
+        f"algo.prompts_per_step={args.prompts}",
         f"algo.group_size={args.group}", f"algo.micro_batch_size={args.prompts * args.group}",
         f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0",
     ])
