@@ -24,7 +24,12 @@ Progress = Callable[[int, int, float], None]  # (step, total, loss)
 
 
 def warm_start_key(model: ModelConfig, task: TaskData, seed: int) -> str:
-    body = json.dumps({"model": model.model_dump(mode="json"), "task": task.version, "seed": seed,
+    # Keyed on the records, not task.version: that also names the grader, which a warm start ignores.
+    data = hashlib.sha256()
+    for split in ("train", "dev", "hidden"):
+        for r in task.split(split):
+            data.update(f"{split}\x1f{r.id}\x1f{r.text}\x1f{r.sft_target}\x1e".encode())
+    body = json.dumps({"model": model.model_dump(mode="json"), "task": data.hexdigest(), "seed": seed,
                        "format": 1}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
