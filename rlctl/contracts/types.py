@@ -353,6 +353,31 @@ class EvalRecord:
 
 
 @dataclass(**_FROZEN)
+class AblationRecord:
+    """An ablation: ``spec`` holds the base config, axes, seeds, baseline cell and token budget."""
+
+    id: str
+    name: str
+    spec_hash: str
+    spec: Mapping[str, Any]
+    status: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass(**_FROZEN)
+class AblationRunRecord:
+    """One (cell, seed) of an ablation; ``run_id`` is None until its run exists."""
+
+    ablation_id: str
+    cell: str
+    seed: int
+    run_id: str | None
+    status: str
+    wall_s: float | None = None
+
+
+@dataclass(**_FROZEN)
 class RolloutContext:
     """What a rollout backend factory receives besides its validated options."""
 
@@ -360,6 +385,25 @@ class RolloutContext:
     tokenizer_hash: str
     seed: int
     policy_version: int = 0
+
+
+@dataclass(**_FROZEN)
+class PolicyLoss:
+    """Which policy loss a learner computes; resolved by the engine from the advantage estimator.
+
+    ``kind`` "token" is the per-token PPO clip, "sequence" GSPO's per-sequence
+    ratio and clip. ``tis_cap`` (None = off) turns on truncated importance
+    weights against the learner's pre-update log-probs.
+
+    >>> PolicyLoss(kind="token", clip_low=0.2, clip_high=0.28, agg="token-mean").kind
+    'token'
+    """
+
+    kind: str
+    clip_low: float
+    clip_high: float
+    agg: str
+    tis_cap: float | None = None
 
 
 @dataclass(**_FROZEN)
@@ -375,6 +419,23 @@ class LearnerContext:
     optim: Any
     seed: int
     max_response_tokens: int
+    deterministic: bool = False
+    policy_loss: PolicyLoss | None = None  # None: token PPO clip with algo's clip_eps and loss_agg
+
+
+@dataclass(**_FROZEN)
+class CriticContext:
+    """What a critic backend factory receives: the directory its value model starts from and its settings.
+
+    ``critic`` is the resolved algo.critic config, ``optim`` train.optim (betas,
+    eps, grad clip; the critic has its own learning rate).
+    """
+
+    model_dir: str
+    critic: Any
+    optim: Any
+    seed: int
+    micro_batch_size: int
     deterministic: bool = False
 
 
@@ -535,6 +596,7 @@ class CheckpointState:
     tokenizer_hash: str
     tokenizer_dir: str
     metrics: Mapping[str, float] = field(default_factory=dict)
+    critic: Mapping[str, Any] | None = None  # the critic backend's state() tree, when the run has a critic
 
 
 @dataclass(**_FROZEN)

@@ -51,10 +51,30 @@ def register_learner_backends(register: Register) -> None:
 
 
 @hookspec
+def register_critic_backends(register: Register) -> None:
+    """Register critic backends: ``register(name, factory, options=Model|None)``.
+
+    ``factory(ctx: CriticContext)`` returns a CriticBackend (the value model of
+    estimators that need one, e.g. ``ppo``). The backend with the same name as
+    ``train.learner`` is used.
+    """
+
+
+@hookspec
 def register_reward_functions(register: Register) -> None:
     """Register reward functions: ``register(name, factory, options=Model|None)``.
 
     ``factory(options)`` returns a RewardFunction.
+    """
+
+
+@hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options, algo)`` returns an AdvantageEstimator; ``algo`` is the
+    run's resolved ``algo`` config section. The estimator named by
+    ``algo.name`` computes every step's advantages and picks the policy loss.
     """
 
 

@@ -106,11 +106,14 @@ class DryrunReport:
 
 def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptions) -> DryrunReport:
     """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
+    from rlctl.engine.session import build_estimator
+
     checks, task, tokenizer, prompt_max = validate(config, plugins, home)
     shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
     gpu = options.device_memory_bytes is not None
     roles = role_memory(config, plugins, gpu_plan=gpu and (options.shape is not None or not config.model.builtin))
-    work = workload(config, options.prompt_tokens or prompt_max, roles)
+    critic = build_estimator(config, plugins).needs_critic
+    work = workload(config, options.prompt_tokens or prompt_max, roles, critic=critic)
     strat = strategy(options, roles, gpu=gpu)
     capacity = options.device_memory_bytes or host_memory_bytes()
     placements = {}
@@ -150,6 +153,12 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
     for i, (sink, opts) in enumerate(sink_specs(config.train.metric_sinks)):
         validate_options(plugins.get("metric_sink", sink).options, opts, f"train.metric_sinks.{i}.options")
+    from rlctl.engine.session import build_estimator
+
+    estimator = build_estimator(config, plugins)
+    checks.append(Check("plugin advantage_estimator", True, f"{config.algo.name!r} from "
+                        f"{plugins.get('advantage_estimator', config.algo.name).plugin}, options valid"
+                        + ("; needs a critic" if estimator.needs_critic else "")))
     reward = build_reward(config, plugins)
     checks.append(Check("reward", True, reward.version))
     task = load_task(config, plugins, reward)
@@ -226,13 +235,14 @@ def role_memory(config: RunConfig, plugins: Plugins, *, gpu_plan: bool) -> RoleM
     return RoleMemory(learner=learner, rollout=rollout, notes=tuple(notes))
 
 
-def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory) -> Workload:
+def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory, critic: bool = False) -> Workload:
     rows = config.algo.prompts_per_step * config.algo.group_size
     chunk = roles.rollout.max_rows or rows
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
                     rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
+                    critic=critic,
                     shared_prefill=roles.learner.shared_prefill and config.algo.group_size > 1)
 
 
@@ -292,6 +302,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     session.rollout = _Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
     session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
                                                        "ref_logprobs": "train"})
+    if session.critic is not None:
+        session.critic = _Phased(session.critic, meter, {"train_step": "critic", "values": "critic"})
     started = time.perf_counter()
     longest = [1.0]  # longest response the smoke steps actually generated
 
@@ -311,14 +323,16 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     strat = strategy(replace(options, shape=None, zero_stage=0), roles, gpu=False)  # allocator bytes only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max, roles), response_tokens=max(1, int(max(longest))))
+    observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None),
+                       response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
 
 
 def compare(dev: DeviceLedger, meter: "_Meter", wall: float, untrained: bool, steps: int,
             metrics: dict[str, float]) -> SmokeResult:
-    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks.get(p, 0)) for p in PHASES)
+    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks[p]) for p in PHASES
+                   if p in meter.peaks)  # a run without a critic never enters the "critic" phase
     top = max(phases, key=lambda c: c.measured_bytes)
     peak = PhaseComparison(f"peak ({top.phase})", dev.peak_bytes, top.measured_bytes)
     persistent = {f"{t.role} {t.name}": t.bytes for t in dev.terms if t.phase == "persistent" and t.bytes}
@@ -463,7 +477,12 @@ def _live_mode(meter: _DispatchMeter) -> Any:
 
 def role_tensors(session: Any) -> list[Any]:
     """Every tensor the roles report holding between calls (parameters, gradients, optimizer state...)."""
-    return [t for role in (session.rollout, session.learner) for ts in role.resident_tensors().values() for t in ts]
+    return [t for role in _roles(session) for ts in role.resident_tensors().values() for t in ts]
+
+
+def _roles(session: Any) -> list[Any]:
+    """The roles holding tensors in this process: rollout, learner and (when the run has one) the critic."""
+    return [session.rollout, session.learner] + ([session.critic] if session.critic is not None else [])
 
 
 def persistent_bytes(session: Any) -> dict[str, int]:
@@ -474,7 +493,7 @@ def persistent_bytes(session: Any) -> dict[str, int]:
         return sum(seen.values())
 
     out = {}
-    for role in (session.rollout, session.learner):
+    for role in _roles(session):
         for term, tensors in role.resident_tensors().items():
             out[term] = size(tensors)
     return out

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class TrainCallbacks:
     """Display hooks the CLI passes in; all optional."""
 
-    warm_start: Callable[[int, int, float], None] | None = None
+    warm_start: Callable[..., None] | None = None  # (step, total, loss), plus the dev accuracy after a dev check
     run_started: Callable[[RunRecord], None] | None = None
     step: Callable[[int, Mapping[str, float]], None] | None = None
     eval_progress: Callable[[str], None] | None = None
