@@ -63,3 +63,15 @@ def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
 
     task = load_task(tiny_config, plugins)
     return resolve_policy_dir(tiny_config, task, _rlctl_home / "cache")
+
+
+# Tables tests want printed after the run (e.g. the sandbox payload -> outcome table), title -> lines.
+SUMMARY_TABLES: dict[str, list[str]] = {}
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for title, lines in SUMMARY_TABLES.items():
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)

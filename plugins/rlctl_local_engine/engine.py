@@ -23,6 +23,7 @@ import torch
 
 from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
+from rlctl.engine.faults import fault_site
 from rlctl.engine.weight_apply import apply_update
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
@@ -40,6 +41,7 @@ class LocalEngine:
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
         self._generator = torch.Generator().manual_seed(ctx.seed)
+        self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
 
     def generate(self, requests: Sequence[RolloutRequest], *,
@@ -50,6 +52,7 @@ class LocalEngine:
         requests (indices into ``requests``) to stop: their rows end with
         TerminalReason.ABORT at once, so nobody's work keeps a core busy.
         """
+        fault_site("rollout.generate", requests=len(requests))
         out: list[Trajectory] = []
         chunk: list[RolloutRequest] = []
         first, rows = 0, 0
@@ -83,7 +86,7 @@ class LocalEngine:
 
         result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
                         pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
-                        abort=abort)
+                        abort=abort, min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0
@@ -100,6 +103,15 @@ class LocalEngine:
                 ))
                 row += 1
         return trajectories
+
+    def _tail_lengths(self, n: int, max_tokens: int) -> list[int] | None:
+        """Pareto-distributed decode lengths for the long-tail option (own generator: sampling is unchanged)."""
+        alpha = self.options.length_tail_alpha
+        if alpha is None:
+            return None
+        u = torch.rand(n, generator=self._tail_generator).clamp(min=1e-12)
+        lengths = (self.options.length_tail_min * u.pow(-1.0 / alpha)).ceil().clamp(max=max_tokens)
+        return [int(x) for x in lengths.tolist()]
 
     def _stop_check(self, stops: Sequence[str]) -> Any:
         def check(tokens: list[int]) -> bool:

@@ -12,6 +12,12 @@ class LocalEngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_batch_sequences: int = Field(512, ge=1, description="Rows per forward; larger requests are chunked by prompt.")
+    length_tail_alpha: float | None = Field(
+        None, gt=0, description="Benchmarks: keep decoding every row to a length drawn from a Pareto(alpha) tail "
+        "(at least length_tail_min, capped at max_tokens) after its response ends: long-tailed decode work with "
+        "real tokens; what follows the response is discarded, so trajectories are unchanged. null = off."
+    )
+    length_tail_min: int = Field(4, ge=1, description="Scale (minimum) of the Pareto length tail.")
 
     def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
         """In-process weights (refolded per call), holding at most ``max_batch_sequences`` rows at once."""

@@ -56,19 +56,22 @@ class Sampled:
 @torch.no_grad()
 def sample(model: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, eos_id: int,
            pad_id: int, generator: torch.Generator, stop_check: Any = None, fast: bool = True,
-           abort: Any = None) -> Sampled:
+           abort: Any = None, min_lengths: Sequence[int] | None = None) -> Sampled:
     """Sample one response per row of ``prompts`` (callers repeat a prompt G times).
 
     ``fast=False`` forces the generic Hugging Face path (tests and benchmarks compare the two).
     ``abort()``, when given, is called between decode steps and returns the rows (indices into
     ``prompts``) to stop now; they end with TerminalReason.ABORT, and sampling ends once no row is live.
+    ``min_lengths`` keeps row i decoding for at least that many positions even after its response
+    ended (a long-tailed workload with real decode work); what follows the end is discarded, so
+    the returned responses and log-probs are those of a plain run.
     """
     steps = sampling.max_tokens
     unique, expand = _dedupe(prompts)  # the G copies of a prompt are prefilled once
     ids, mask = _left_pad(unique, pad_id)  # [U, Lp]
     decoder = _LlamaDecoder(model, ids, mask, expand, steps) if fast and fast_path_supported(model) else \
         _HFDecoder(model, ids, mask, expand)
-    out = _Rows(len(prompts), steps, pad_id)
+    out = _Rows(len(prompts), steps, pad_id, min_lengths)
     logits = decoder.prefill()  # [N, V]
     for t in range(steps):
         tok, lp = _draw(logits, sampling, generator)  # [n], [n]
@@ -89,7 +92,7 @@ class _Rows:
     """Per-row outputs. Rows of the running batch write one column per step; finished rows stay (ignored)
     until compaction moves their history to the output and drops them from the batch."""
 
-    def __init__(self, n: int, steps: int, pad_id: int) -> None:
+    def __init__(self, n: int, steps: int, pad_id: int, min_lengths: Sequence[int] | None = None) -> None:
         self.tokens = torch.full((n, steps), pad_id, dtype=torch.long)  # [N, S] by original row
         self.logps = torch.zeros((n, steps), dtype=torch.float32)
         self.lengths = torch.full((n,), steps, dtype=torch.long)
@@ -98,16 +101,25 @@ class _Rows:
         self.rows = torch.arange(n)  # original row of each batch row
         self.live = torch.ones(n, dtype=torch.bool)
         self.num_live = n
+        self.min_len = None if min_lengths is None else torch.tensor(list(min_lengths), dtype=torch.long)  # [N]
+        self.first_end = torch.full((n,), steps + 1, dtype=torch.long)  # [N]: response end seen before min_len
 
     def record(self, t: int, tok: torch.Tensor, lp: torch.Tensor, eos_id: int, stop_check: Any) -> None:
         self.batch_tokens[:, t] = tok
         self.batch_logps[:, t] = lp
         finished = (tok == eos_id) & self.live  # [n]
+        if self.min_len is not None:
+            short = t + 1 < self.min_len[self.rows]  # [n]: must keep decoding
+            early = finished & short & (self.first_end[self.rows] > t + 1)  # first end of the response
+            self.first_end[self.rows[early]] = t + 1
+            self.reason[self.rows[early]] = 1
+            padded = self.live & (self.first_end[self.rows] <= t + 1) & ~short
+            finished = (finished & ~short & (self.first_end[self.rows] > t + 1)) | padded
         ended = bool(finished.any())
         if ended:
             self.reason[self.rows[finished]] = 1
         if stop_check is not None:
-            for j in (self.live & ~finished).nonzero().flatten().tolist():
+            for j in (self.live & ~finished & (self.first_end[self.rows] > t + 1)).nonzero().flatten().tolist():
                 if stop_check(self.batch_tokens[j, : t + 1].tolist()):
                     finished[j], ended = True, True
                     self.reason[self.rows[j]] = 2
@@ -144,7 +156,8 @@ class _Rows:
 
     def result(self) -> Sampled:
         self._flush()
-        lens, tokens, logps = self.lengths.tolist(), self.tokens.tolist(), self.logps.tolist()
+        lens = torch.minimum(self.lengths, self.first_end).tolist()  # cut what followed an early end
+        tokens, logps = self.tokens.tolist(), self.logps.tolist()
         return Sampled(tokens=[row[:k] for row, k in zip(tokens, lens)],
                        logprobs=[row[:k] for row, k in zip(logps, lens)],
                        reasons=[_REASONS[c] for c in self.reason.tolist()])

@@ -1,4 +1,4 @@
-"""Built-in reward functions: "math", "format" and "length".
+"""Built-in reward functions: "math", "format", "length" and "code".
 
 What this is: the entry point ``rewards = "rlctl_rewards.plugin"``; it registers
 each reward with its options model, exactly as a third-party plugin would.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rlctl import hookimpl
+from rlctl_rewards.code import CodeOptions, CodeReward
 from rlctl_rewards.format import FormatOptions, FormatReward
 from rlctl_rewards.length import LengthOptions, LengthPenalty
 from rlctl_rewards.math import MathOptions, MathReward
@@ -19,7 +20,8 @@ from rlctl_rewards.math import MathOptions, MathReward
 
 @hookimpl
 def register_reward_functions(register: Callable[..., None]) -> None:
-    """Register "math", "format" and "length"; each factory is called as ``factory(options=...)``."""
+    """Register "math", "format", "length" and "code"; each factory is called as ``factory(options=...)``."""
     register("math", MathReward, options=MathOptions)
     register("format", FormatReward, options=FormatOptions)
     register("length", LengthPenalty, options=LengthOptions)
+    register("code", CodeReward, options=CodeOptions)

@@ -4,7 +4,8 @@ What this is: a MetricSink that appends to ``<run_dir>/metrics.jsonl`` and
 flushes every line, so a crash loses at most the line being written. Like the
 registry's upserts, it is idempotent by step: when a resumed run logs step s
 again, the lines for steps >= s left by the earlier attempt are cut off first,
-so the file never holds a step twice.
+so the file never holds a step twice (also when a NaN rollback re-runs steps
+inside one process).
 
 What this is not: the registry (the run's metrics always go there as well).
 """
@@ -28,15 +29,16 @@ class JsonlSink:
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        if self._earlier:
-            cut = next((offset for offset, seen in self._earlier if seen >= step), None)
-            if cut is not None:
-                self._fh.truncate(cut)
-                self._fh.seek(cut)
-            self._earlier = []
+        cut = next((offset for offset, seen in self._earlier if seen >= step), None)
+        if cut is not None:  # a re-run step (resume, or a rollback inside this process)
+            self._fh.truncate(cut)
+            self._fh.seek(cut)
+            self._earlier = [(offset, seen) for offset, seen in self._earlier if offset < cut]
+        offset = self._fh.tell()
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
         self._fh.write(json.dumps({"step": step, "metrics": clean}, sort_keys=True) + "\n")
         self._fh.flush()
+        self._earlier.append((offset, step))
 
     def close(self) -> None:
         self._fh.close()

@@ -36,12 +36,13 @@ from typing import Any, Mapping
 
 import torch
 
-from rlctl import CheckpointError, PolicyLoss, WeightUpdate
+from rlctl import CheckpointError, PolicyLoss, RoleError, WeightUpdate
 from rlctl.algo.losses import entropy_from_logits, gspo_loss, kl_penalty_loss, ppo_clip_loss, truncated_is_weights
 from rlctl.algo.sampling import process_logits, token_logprobs
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import state_codec
+from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_torch_learner.options import TorchLearnerOptions
@@ -76,6 +77,8 @@ class TorchLearner:
         self.generator = torch.Generator().manual_seed(ctx.seed)
         self.policy_version = 0
         self.nan_skips = 0
+        self.micro_batch_size = self.algo.micro_batch_size  # halved for the rest of the run after an OOM
+        self.oom_recoveries = 0
 
     # -- forward ---------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class TorchLearner:
         return self._logprobs(model, batch, with_entropy)
 
     def _micro_batches(self, batch: TrainBatch):
-        size = self.algo.micro_batch_size
+        size = self.micro_batch_size
         for start in range(0, batch.num_sequences, size):
             yield batch.select(range(start, min(start + size, batch.num_sequences)))
 
@@ -119,6 +122,7 @@ class TorchLearner:
     # -- update ----------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        fault_site("learner.train_step", rows=batch.num_sequences)
         algo = self.algo
         kl_in_loss = self.reference is not None and algo.kl.placement == "loss"
         if self.reference is not None and batch.ref_logprobs is None:
@@ -142,14 +146,84 @@ class TorchLearner:
                 out[key] = max(stats[key])
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["nan_inf_skipped_steps"] = float(self.nan_skips)
+        out["oom_recoveries"] = float(self.oom_recoveries)
+        out["micro_batch_size"] = float(self.micro_batch_size)
         return out
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate (base and current) by ``factor`` for the rest of the run; return the new base."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        return self.scheduler.base_lrs[0]
 
     def _trained(self) -> list[torch.Tensor]:
         """The tensors AdamW updates: the fp32 master copy, or the parameters themselves."""
         return self.master if self.master is not None else list(self.model.parameters())
 
     def _mini_batch_step(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> bool:
-        """One optimizer step over ``mini`` (accumulated over micro-batches); False when it was skipped."""
+        """One optimizer step over ``mini`` (accumulated over micro-batches); False when it was skipped.
+
+        An out-of-memory error inside the accumulation is recovered here: the
+        partial gradient is dropped, the OOM is classified from a memory
+        snapshot, the micro-batch is halved (for the rest of the run) and the
+        whole mini-batch is accumulated again. Each micro-batch's loss is
+        weighted by its share of the mini-batch, so the update is the same sum
+        whatever the micro-batch size.
+        """
+        while True:
+            attempt: dict[str, list[float]] = {}
+            try:
+                self._accumulate(mini, kl_in_loss, first, attempt)
+                break
+            except torch.OutOfMemoryError as err:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
+                self._recover_oom(err, mini)
+        for key, values in attempt.items():
+            stats.setdefault(key, []).extend(values)
+        if self.master is not None:  # fp32 gradients for the fp32 optimizer math
+            for param, master in zip(self.model.parameters(), self.master):
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip))
+        stats.setdefault("grad_norm", []).append(grad_norm)
+        if not math.isfinite(grad_norm):
+            # never apply a non-finite update: parameters, optimizer moments and LR schedule stay as they were
+            self.nan_skips += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            return False
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for param, master in zip(self.model.parameters(), self.master):
+                    param.copy_(master)
+        return True
+
+    def _recover_oom(self, err: BaseException, mini: TrainBatch) -> None:
+        from rlctl_torch_learner.memory import classify_oom
+
+        old = self.micro_batch_size
+        kind, breakdown = classify_oom(self.model, self.optimizer, min(old, mini.num_sequences),
+                                       int(mini.input_ids.shape[1]))
+        if old <= 1:
+            report_recovery("oom_unrecoverable", f"OOM at micro-batch size 1 ({kind}); the step cannot shrink further",
+                            {"classification": kind, "bytes": breakdown, "error": str(err)[:200]})
+            raise RoleError(f"learner out of memory at micro-batch size 1 ({kind}: {err})",
+                            "the step cannot shrink further; see `rlctl runbook show oom` (shard the model, "
+                            "lower rollout.max_tokens, or enable gradient checkpointing)") from err
+        self.micro_batch_size = max(1, old // 2)
+        self.oom_recoveries += 1
+        report_recovery("oom_recovered", f"OOM in the learner classified as {kind}; micro-batch {old} -> "
+                        f"{self.micro_batch_size}, step retried with the same effective batch",
+                        {"classification": kind, "micro_batch_from": old, "micro_batch_to": self.micro_batch_size,
+                         "bytes": breakdown, "error": str(err)[:200]})
+
+    def _accumulate(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> None:
         algo, spec = self.algo, self.loss
         token_mode = spec.kind == "token" and spec.agg == "token-mean"
         total_tokens = float(mini.action_mask.sum())
@@ -157,6 +231,7 @@ class TorchLearner:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         for micro in self._micro_batches(mini):
+            fault_site("learner.alloc", rows=micro.num_sequences)
             logp, entropy = self._forward(self.model, micro, with_entropy=True)
             mask = micro.action_mask
             anchor, weights, tis = micro.behavior_logprobs, None, {}
@@ -177,6 +252,7 @@ class TorchLearner:
                 info["kl_ref"] = kl_value
             n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
             share = (n_tok / max(total_tokens, 1.0)) if token_mode else (n_seq / max(total_seqs, 1.0))
+            loss = fault_site("learner.loss", loss)
             (loss * share).backward()
             for key in ("loss", "clip_fraction", "ratio_mean", "ratio_max", "approx_kl_behavior", "kl_ref",
                         "tis_weight_mean", "tis_truncated_frac", "is_ratio_max"):
@@ -189,25 +265,6 @@ class TorchLearner:
                     delta = (logp.detach() - micro.behavior_logprobs)[on].abs()
                     stats.setdefault("logprob_mismatch_mean", []).append(float(delta.mean()))
                     stats.setdefault("logprob_mismatch_max", []).append(float(delta.max()))
-        if self.master is not None:  # fp32 gradients for the fp32 optimizer math
-            for param, master in zip(self.model.parameters(), self.master):
-                master.grad = None if param.grad is None else param.grad.float()
-                param.grad = None
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip))
-        stats.setdefault("grad_norm", []).append(grad_norm)
-        if not math.isfinite(grad_norm):
-            # never apply a non-finite update: parameters, optimizer moments and LR schedule stay as they were
-            self.nan_skips += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            return False
-        self.optimizer.step()
-        self.scheduler.step()
-        if self.master is not None:
-            with torch.no_grad():
-                for param, master in zip(self.model.parameters(), self.master):
-                    param.copy_(master)
-        return True
 
     def export_weights(self) -> WeightUpdate:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -236,7 +293,9 @@ class TorchLearner:
             weights={k: v.detach().clone() for k, v in self._master_state().items()},
             model_files=self._model_files(), optimizer=state_codec.clone(self.optimizer.state_dict()),
             scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
-            rng={"minibatch_order": self.generator.get_state()}, counters={"nan_skips": self.nan_skips},
+            rng={"minibatch_order": self.generator.get_state()},
+            counters={"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
+                      "oom_recoveries": self.oom_recoveries},
         )
 
     def load_checkpoint_state(self, state: LearnerState) -> None:
@@ -260,6 +319,8 @@ class TorchLearner:
         self.generator.set_state(state.rng["minibatch_order"])
         self.policy_version = state.policy_version
         self.nan_skips = int(state.counters.get("nan_skips", 0))
+        self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
+        self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
 
     def _masters_by_storage(self) -> dict[int, torch.Tensor]:
         if self.master is None:

@@ -13,6 +13,8 @@ import typer
 
 from rlctl.cli import ablate as ablate_cli
 from rlctl.cli import checkpoints as checkpoints_cli
+from rlctl.cli import diagnose as diagnose_cli
+from rlctl.cli import faults as faults_cli
 from rlctl.cli import dryrun as dryrun_cli
 from rlctl.cli import eval as eval_cli
 from rlctl.cli import plugins as plugins_cli
@@ -45,6 +47,10 @@ def build_app(with_plugins: bool = True) -> typer.Typer:
     app.add_typer(plugins_cli.app, name="plugins")
     app.add_typer(registry_cli.app, name="registry")
     app.add_typer(serve_cli.app, name="serve")
+    app.command("diagnose")(diagnose_cli.diagnose)
+    app.command("inject")(faults_cli.inject)
+    app.command("drill")(faults_cli.drill)
+    app.add_typer(diagnose_cli.runbook_app, name="runbook")
     if with_plugins:
         from rlctl.hooks.manager import load_plugins
 

@@ -82,6 +82,9 @@ def report_json(report: Any) -> dict[str, Any]:
                         "within_tolerance": smoke.within_tolerance,
                         "persistent": {k: {"ledger_bytes": a, "measured_bytes": b}
                                        for k, (a, b) in smoke.persistent.items()}}
+    if report.staleness is not None:
+        out["staleness"] = {"prediction": _output.to_jsonable(report.staleness.prediction),
+                            "inputs": _output.to_jsonable(report.staleness.params), "lengths": report.staleness.lengths}
     return out
 
 
@@ -104,6 +107,17 @@ def render(report: Any) -> None:
             _render_device(label, dev, fmt_bytes)
     if report.smoke is not None:
         _render_smoke(report.smoke, fmt_bytes)
+    if report.staleness is not None:
+        _render_staleness(report.staleness)
+
+
+def _render_staleness(run: Any) -> None:
+    p, q = run.params, run.prediction
+    _output.console.print(
+        f"staleness ({p.mode}, bound {p.max_ahead}; simulated {p.steps} steps from the smoke timings, lengths "
+        f"{run.lengths}): mean dv {q.staleness_mean:.2f}, P95 dv {q.staleness_p95:.0f}, drops {q.drop_rate:.1%}; "
+        f"learner waits {q.learner_wait_share:.0%}, rollout waits {q.rollout_wait_share:.0%}; "
+        f"utilisation {q.utilisation:.2f} (rollout demand / learner capacity)")
 
 
 def _render_device(label: str, dev: Any, fmt_bytes: Any) -> None:

@@ -26,7 +26,10 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
           allow_config_change: bool = AllowChangeOpt,
           seeds: Optional[int] = typer.Option(None, "--seeds", min=1, max=32, help="Run N RL seeds from the same "
                                               "warm start and report them together (default: train.seeds)."),
-          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
+          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt,
+          supervise: bool = typer.Option(False, "--supervise", help="Run training in a child process and restart "
+                                         "it from the newest committed checkpoint if it crashes "
+                                         "(up to faults.max_restarts times).")) -> None:
     """Train a policy: rollout -> reward -> advantage -> update -> weight sync, for train.steps steps."""
     if resume is not None:
         if run_dir is not None:
@@ -44,6 +47,9 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
     from rlctl.ops.train import train as run_train
 
     cfg = load_config(config, overrides or [])
+    if supervise:
+        _supervised(config, overrides or [], cfg.faults.max_restarts, run_dir, registry, json_out)
+        return
     plugins = load_plugins()
     num_seeds = seeds if seeds is not None else cfg.train.seeds
     if num_seeds > 1:
@@ -108,3 +114,22 @@ def sft(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg,
         _output.print_json({"policy_dir": str(path), "dataset_version": task.version})
     else:
         _output.console.print(f"warm-started policy: {path}")
+
+
+def _supervised(config: Path, overrides: List[str], max_restarts: int, run_dir: Optional[Path],
+                registry: Optional[str], json_out: bool) -> None:
+    """``train --supervise``: the child trains; a crash is resumed from the newest committed checkpoint."""
+    import time
+
+    from rlctl.ops.supervise import supervise
+
+    directory = run_dir or rlctl_home() / "runs" / f"supervised-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6}"
+    env = {"RLCTL_REGISTRY_URL": registry} if registry else {}
+    result = supervise([str(config), *overrides, *(["--json"] if json_out else [])], directory,
+                       max_restarts=max_restarts, open_registry=lambda: open_registry(registry), env=env,
+                       say=lambda m: _output.err_console.print(m, markup=False, highlight=False))
+    if not json_out:
+        _output.console.print(f"supervisor: run {result.run_id} exit {result.exit_code} after {result.restarts} "
+                              f"restart(s) in {result.wall_s:.1f}s")
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)

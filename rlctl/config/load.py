@@ -124,7 +124,7 @@ def _describe(err: ValidationError, raw: Any, source: str, model: type[BaseModel
     loc = [str(p) for p in first["loc"]]
     path = ".".join(([prefix] if prefix else []) + loc) or prefix or "<root>"
     if first["type"] == "extra_forbidden":
-        close = _closest(model, first["loc"])
+        close = _closest(model, first["loc"], section=isinstance(first.get("input"), dict))
         near = f"; did you mean {'.'.join(([prefix] if prefix else []) + loc[:-1] + [close])}?" if close else ""
         return f"{source}: unknown config key {path}{near}"
     if first["type"] == "missing":
@@ -136,8 +136,8 @@ def _describe(err: ValidationError, raw: Any, source: str, model: type[BaseModel
     return f"{source}: {path}: {msg} (got {got!r})"
 
 
-def _closest(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
-    """The valid key at ``loc`` nearest in spelling to the bad one."""
+def _closest(model: type[BaseModel], loc: tuple[Any, ...], section: bool = False) -> str | None:
+    """The valid key at ``loc`` nearest in spelling to the bad one (a section when the bad key holds one)."""
     node: Any = model
     for part in loc[:-1]:
         if isinstance(part, int):
@@ -150,8 +150,16 @@ def _closest(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
             return None
     if not (isinstance(node, type) and issubclass(node, BaseModel)):
         return None
-    hits = difflib.get_close_matches(str(loc[-1]), list(node.model_fields), n=1, cutoff=0.5)
+    names = [n for n, f in node.model_fields.items() if not section or _holds_mapping(f.annotation)]
+    hits = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
     return hits[0] if hits else None
+
+
+def _holds_mapping(annotation: Any) -> bool:
+    import typing
+
+    return _model_of(annotation) is not None or typing.get_origin(annotation) in (dict, typing.Mapping) \
+        or annotation is dict
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

@@ -112,6 +112,9 @@ class RewardConfig(_Strict):
     components: list[RewardComponentConfig] = Field(
         default_factory=_default_rewards, min_length=1, description="Weighted reward components."
     )
+    workers: int = Field(1, ge=1, le=256, description="Grader processes; 1 grades in the trainer process.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-sample deadline when workers > 1 (then error 'timeout').")
+    retries: int = Field(1, ge=0, le=10, description="Extra attempts on infrastructure errors when workers > 1.")
 
     @model_validator(mode="after")
     def _unique(self) -> "RewardConfig":
@@ -253,12 +256,89 @@ class CheckpointConfig(_Strict):
     )
 
 
+class FaultSpec(_Strict):
+    """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
+
+    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, "
+                      "bad-checkpoint, learner-crash, slow-rollout (see `rlctl plugins`).")
+    at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
+    count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
+    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples hit (verifier faults).")
+    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint); "
+                               "default: the kind's own role.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the fault plugin.")
+
+
+class FaultsConfig(_Strict):
+    """Injected faults and the recovery policies that answer them."""
+
+    inject: list[FaultSpec] = Field(default_factory=list, description="Faults to inject (none by default).")
+    verifier_retries: int = Field(2, ge=0, description="Re-score a timed-out / errored sample with a fresh "
+                                  "grader up to N times; past that its whole group is dropped and counted.")
+    nan_rollback_after: int = Field(3, ge=1, description="After K NaN/Inf-skipped steps in a row, roll back to the "
+                                    "last committed checkpoint.")
+    rollback_lr_factor: float = Field(0.5, gt=0, lt=1, description="Learning-rate multiplier after a NaN rollback.")
+    max_rollbacks: int = Field(2, ge=0, description="NaN rollbacks allowed per run before it stops.")
+    watchdog_timeout_s: float = Field(0.0, ge=0, description="Report a role that makes no progress for this long "
+                                      "(role, phase, stack dump) and stop the run; 0 = off.")
+    max_restarts: int = Field(3, ge=0, description="`rlctl train --supervise`: restarts after a crash.")
+    alerts: bool = Field(True, description="Evaluate the runbook triggers after every step (live alerts).")
+
+
 # Config paths a resume may change without --allow-config-change: they do not
 # change what the next step computes. A path covers everything below it.
 RESUME_MUTABLE_PATHS = (
     "run.name", "train.steps", "train.log_every", "train.metric_sinks", "eval", "checkpoint.every_steps",
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
+    "faults",
+    "cluster", "staleness.take_timeout_s",
 )
+
+
+class ClusterConfig(_Strict):
+    """Where the roles run: in this process (``local``) or as Ray actors (``ray``, needs the ``ray`` extra)."""
+
+    backend: Literal["local", "ray"] = Field("local", description="local = threads in this process; ray = Ray actors.")
+    address: str | None = Field(
+        None, description="ray only: join this cluster (e.g. 'ray://host:10001' or 'host:6379'); null starts a "
+        "local one sized by num_cpus."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="ray only: CPUs of a locally started cluster; null = all.")
+    num_rollout_workers: int = Field(
+        2, ge=1, description="Rollout workers (each holds a policy copy; the G samples of a prompt stay on one)."
+    )
+    rollout_num_cpus: float = Field(0.5, gt=0, description="ray only: CPUs requested per rollout worker actor.")
+    rollout_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested per rollout worker actor.")
+    learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor.")
+    learner_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested by the learner actor.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="ray only: placement-group strategy for the learner and worker bundles."
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts allowed per rollout worker (and for the learner) before the run fails."
+    )
+
+
+class StalenessConfig(_Strict):
+    """How far rollout may run ahead of the learner (modes one_step_off and async) and what happens beyond."""
+
+    max_staleness: int = Field(
+        1, ge=0, description="async: the bound on dv = learner version - sample's policy version; samples beyond "
+        "it are dropped or reweighted (stale_policy), always counted."
+    )
+    stale_policy: Literal["drop", "reweight"] = Field(
+        "drop", description="drop = discard groups beyond max_staleness; reweight = keep them with truncated "
+        "importance weights (decoupled PPO)."
+    )
+    is_cap: float = Field(2.0, gt=0, description="reweight: truncation cap of the per-token importance weight.")
+    queue_capacity: int | None = Field(
+        None, ge=1, description="Groups buffered plus in flight before rollout pauses; null = (bound + 1) x B."
+    )
+    queue_ttl_s: float | None = Field(None, gt=0, description="Drop buffered groups older than this; null = no TTL.")
+    rollout_chunk: int | None = Field(
+        None, ge=1, description="Prompts per rollout-worker call; null = ceil(B / workers). Smaller = fresher weights."
+    )
+    take_timeout_s: float = Field(600.0, gt=0, description="Fail if the learner waits this long for one batch.")
 
 
 class EvalConfig(_Strict):
@@ -281,3 +361,10 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync", description="sync = learner and rollout alternate; one_step_off = batch s+1 is generated while "
+        "the learner trains on batch s; async = workers run ahead up to staleness.max_staleness versions."
+    )
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)

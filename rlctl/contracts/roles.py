@@ -253,6 +253,11 @@ class AdvantageEstimator(Protocol):
 
     def value_targets(self, inputs: "AdvantageInputs") -> Any:
         """The critic's regression targets ``[N, T]`` (None when ``needs_critic`` is False)."""
+class Fault(Protocol):
+    """An injectable fault kind (``rlctl inject --fault KIND``): arms handlers at real failure sites."""
+
+    def arm(self, ctx: Any) -> Any:
+        """Arm this fault for a run (``ctx`` is a rlctl.engine.faults.FaultContext); return a disarm function."""
         ...
 
 
@@ -279,6 +284,11 @@ class CriticBackend(Protocol):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore exactly what ``state`` returned; raise CheckpointError if it does not fit."""
+class LrScalable(Protocol):
+    """A learner whose learning rate can be lowered mid-run (the NaN rollback does)."""
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate by ``factor`` for the rest of the run; return the new base LR."""
         ...
 
 
@@ -290,4 +300,5 @@ ROLE_PROTOCOLS: dict[str, type] = {
     "metric_sink": MetricSink,
     "advantage_estimator": AdvantageEstimator,
     "critic_backend": CriticBackend,
+    "fault": Fault,
 }

@@ -580,6 +580,8 @@ class CheckpointState:
     cursor's ``{"epoch", "position"}``. ``rng`` holds the process RNG states per
     rank (``{"rank0": {"python", "numpy", "torch", ["cuda"]}}``). ``config`` is the
     resolved run config as JSON data; the other fields are its provenance.
+    ``queue`` is the trajectory queue's cursor (rlctl.engine.queue), so a resume
+    neither drops buffered trajectories nor trains on one twice.
     """
 
     step: int
@@ -597,6 +599,7 @@ class CheckpointState:
     tokenizer_dir: str
     metrics: Mapping[str, float] = field(default_factory=dict)
     critic: Mapping[str, Any] | None = None  # the critic backend's state() tree, when the run has a critic
+    queue: Mapping[str, Any] | None = None  # the trajectory queue's consumption cursor (overlapped modes only)
 
 
 @dataclass(**_FROZEN)

@@ -37,10 +37,14 @@ class PromptCursor:
         self.state = CursorState(state.epoch, state.position) if state else CursorState()  # never alias
 
     def _order(self, epoch: int) -> list[int]:
+        cached = getattr(self, "_cached", None)  # record_at asks per prompt: keep the last epoch's order
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         order = list(range(len(self.records)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         if self.length_window > 1:
             order = self._length_grouped(order, random.Random(f"{self.seed}/{epoch}/lengths"))
+        self._cached = (epoch, order)
         return order
 
     def _length_grouped(self, order: list[int], rng: random.Random) -> list[int]:
@@ -56,6 +60,11 @@ class PromptCursor:
             rng.shuffle(batches)
             out.extend(i for batch in batches for i in batch)
         return out
+
+    def record_at(self, index: int) -> PromptRecord:
+        """The prompt at position ``index`` of the endless seeded order (epoch ``index // len``); no state change."""
+        epoch, position = divmod(index, len(self.records))
+        return self.records[self._order(epoch)[position]]
 
     def next(self, count: int) -> list[PromptRecord]:
         out: list[PromptRecord] = []
@@ -110,3 +119,18 @@ def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[
     rewards = torch.tensor([t.reward if t.reward is not None else float("nan") for t in trajectories],
                            dtype=torch.float32).view(b, group_size)
     return rewards, valid
+
+
+def drop_unscored_groups(trajectories: Sequence[Trajectory], group_size: int) -> tuple[list[Trajectory], list[Trajectory]]:
+    """``(kept, dropped)``: a group with any sample lacking a reward is dropped whole, never trained partially.
+
+    A partial group would compute its baseline from the samples that happened
+    to be scored and so shift every advantage in it; the dropped samples are
+    counted by the caller (``groups_dropped``), never scored as zero.
+    """
+    kept: list[Trajectory] = []
+    dropped: list[Trajectory] = []
+    for g in range(0, len(trajectories), group_size):
+        group = trajectories[g:g + group_size]
+        (dropped if any(t.reward_error is not None for t in group) else kept).extend(group)
+    return kept, dropped

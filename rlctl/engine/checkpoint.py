@@ -69,7 +69,7 @@ from rlctl.contracts.types import (
 )
 from rlctl.engine import state_codec
 from rlctl.engine.durable import fsync_path, write_dir_durably
-from rlctl.engine.faults import crash_point
+from rlctl.engine.faults import crash_point, fault_site
 
 COMMITTED = "COMMITTED"
 _TMP_MANIFEST = "COMMITTED.tmp"
@@ -209,6 +209,7 @@ class DiskCheckpointStore:
                 shutil.rmtree(target, ignore_errors=True)
             raise
         self._notify(self.on_commit, target, manifest, "record")
+        fault_site("checkpoint.committed", path=str(target), step=state.step)  # bit rot after commit (injected)
         crash_point("ckpt.registry_row")
         self.apply_retention()
 
@@ -437,6 +438,7 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
         "critic": state_codec.encode(state.critic, "critic", tensors),
         "cursor": dict(state.cursor), "rng": state_codec.encode(state.rng, "rng", tensors),
         "shadow": {"sampling": dataclasses.asdict(state.shadow.sampling)}, "metrics": dict(state.metrics),
+        "queue": None if state.queue is None else dict(state.queue),
     }
     yield "state.safetensors", save(tensors)
     yield "state.json", json.dumps(body, sort_keys=True, indent=1).encode()
@@ -473,6 +475,7 @@ def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
         code_version=body["code_version"], dataset_version=body["dataset_version"],
         tokenizer_hash=body["tokenizer_hash"], tokenizer_dir=str(path / "model"), metrics=body["metrics"],
         critic=state_codec.decode(body.get("critic"), tensors),  # absent in checkpoints from before critics
+        queue=body.get("queue"),
     )
 
 

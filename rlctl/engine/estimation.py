@@ -13,13 +13,17 @@ What this is not: the estimators (plugins registered through
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rlctl.contracts.batch import AdvantageInputs, TrainBatch
 from rlctl.contracts.roles import AdvantageEstimator, RewardFunction, RolloutBackend
 from rlctl.contracts.types import PromptRecord, RolloutRequest, Trajectory
-from rlctl.engine.batching import group_rewards
-from rlctl.engine.scoring import score_all
+from rlctl.contracts.errors import RoleError
+from rlctl.engine.batching import drop_unscored_groups, group_rewards
+from rlctl.engine.scoring import rescore_failed, score_all
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlctl.engine.reward_pool import RewardPool
 
 
 @dataclass
@@ -33,19 +37,24 @@ class SampledGroups:
     num_generated_tokens: int  # every generated response token, dropped groups included
     times: dict[str, float]  # T_r (rollout) and T_v (scoring) seconds, summed over rounds
     metrics: dict[str, float] = field(default_factory=dict)
+    unscored: list[Trajectory] = field(default_factory=list)  # groups dropped because a grader failed, whole
 
 
 def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                   make_request: Callable[[PromptRecord], RolloutRequest], rollout: RolloutBackend,
                   reward: RewardFunction, answers: Mapping[str, str], estimator: AdvantageEstimator,
                   num_prompts: int, group_size: int, max_tokens: int,
-                  truncation_penalty: float | None) -> SampledGroups:
+                  truncation_penalty: float | None, fresh_reward: Callable[[], RewardFunction] | None = None,
+                  verifier_retries: int = 0, pool: "RewardPool | None" = None) -> SampledGroups:
     """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
 
     Metrics: ``generated_tokens`` (all rounds), and with filtering
     ``ds_dropped_groups`` (groups without signal dropped), ``ds_refill_prompts``
     (prompts sampled beyond the first round), ``ds_sample_rounds`` and
     ``ds_short_groups`` (groups still missing after the last round).
+    A sample whose grader timed out or crashed is re-scored with a fresh
+    grader up to ``verifier_retries`` times; a group still holding one is
+    dropped whole (``unscored``: never scored 0, never trained as a partial group).
     """
     import time
 
@@ -60,6 +69,8 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     last: tuple[list[Trajectory], Any, Any] | None = None
     done_rounds = 0
     times = {"T_r": 0.0, "T_v": 0.0}
+    unscored: list[Trajectory] = []
+    verify_stats: dict[str, float] = {}
     for round_index in range(rounds):
         need = num_prompts - len(rewards)
         if need <= 0:
@@ -71,10 +82,18 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
         trajectories = rollout.generate([make_request(p) for p in prompts(need)])
         t1 = time.perf_counter()
         generated += sum(t.num_response_tokens for t in trajectories)
-        scored, lat = score_all(trajectories, answers, reward, truncation_penalty)
+        scored, lat = score_all(trajectories, answers, reward, truncation_penalty, pool=pool)
+        scored, stats = rescore_failed(scored, answers, fresh_reward or (lambda: reward), verifier_retries,
+                                       truncation_penalty)
+        scored, lost = drop_unscored_groups(scored, group_size)
+        unscored += lost
+        for k, v in stats.items():
+            verify_stats[k] = verify_stats.get(k, 0.0) + v
         times["T_r"] += t1 - t0
         times["T_v"] += time.perf_counter() - t1
         latencies += lat
+        if not scored:
+            continue
         r, v = group_rewards(scored, group_size)  # [b, G]
         lengths = torch.tensor([t.num_response_tokens for t in scored]).view_as(r)
         r = estimator.shape_rewards(r, lengths, max_tokens)
@@ -87,8 +106,10 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                 valid.append(v[g])
             else:
                 dropped += 1
+    if not rewards and last is None:
+        raise RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries",
+                        "see `rlctl runbook show verifier-timeouts`")
     if not rewards:  # nothing informative at all: train on the last round (zero advantages, zero gradient)
-        assert last is not None
         kept, r_all, v_all = last
     else:
         r_all, v_all = torch.stack(rewards), torch.stack(valid)
@@ -97,8 +118,11 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     if rounds > 1:
         metrics.update(ds_dropped_groups=float(dropped), ds_refill_prompts=float(refill),
                        ds_sample_rounds=float(done_rounds), ds_short_groups=float(max(0, num_prompts - len(rewards))))
+    if done_rounds > 1 and "verifier_fail_frac" in verify_stats:
+        verify_stats["verifier_fail_frac"] /= done_rounds
+    metrics.update(verify_stats)
     return SampledGroups(scored=kept, rewards=r_all, valid=v_all, verify_latencies=latencies,
-                         num_generated_tokens=generated, times=times, metrics=metrics)
+                         num_generated_tokens=generated, times=times, metrics=metrics, unscored=unscored)
 
 
 @dataclass

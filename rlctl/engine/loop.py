@@ -47,10 +47,12 @@ class LoopSpec:
     kl_placement: Literal["reward", "loss"] = "loss"  # "loss" is the learner's business
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     log_every: int = 1  # sinks get every log_every-th step and the last one
-    mode: Literal["sync"] = "sync"  # later: one-step-off / async
+    mode: Literal["sync", "one_step_off", "async"] = "sync"  # run_sync runs sync; the others run in
+    # rlctl.engine.async_loop (rlctl.dist picks), whose AsyncSpec carries the queue and staleness settings
     max_staleness: int = 0  # policy versions a sample may lag behind (0 in sync mode)
     max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
     critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
+    verifier_retries: int = 0  # re-score a timed-out / crashed sample with a fresh grader up to N times
 
     @classmethod
     def from_config(cls, config: "RunConfig") -> "LoopSpec":
@@ -59,7 +61,8 @@ class LoopSpec:
                    truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
                    kl_coef=a.kl.coef, kl_placement=a.kl.placement, kl_estimator=a.kl.estimator,
                    log_every=config.train.log_every, max_generated_tokens=config.train.max_generated_tokens,
-                   critic_warmup_steps=a.critic.warmup_steps)
+                   critic_warmup_steps=a.critic.warmup_steps, verifier_retries=config.faults.verifier_retries,
+                   mode=config.mode, max_staleness=0 if config.mode == "sync" else config.staleness.max_staleness)
 
 
 def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
@@ -83,7 +86,9 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
         sampled = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
                                 answers=answers, estimator=s.estimator, num_prompts=spec.prompts_per_step,
                                 group_size=spec.group_size, max_tokens=spec.max_tokens,
-                                truncation_penalty=spec.truncation_penalty)
+                                truncation_penalty=spec.truncation_penalty,
+                                fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
+                                pool=s.reward_pool)
         scored = sampled.scored
         t2 = time.perf_counter()
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
@@ -108,6 +113,7 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
             advantages=advantages.abs().sum(-1),  # [N]: nonzero on the sequences that carry signal
             verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
             times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
+            dropped=sampled.unscored, group_size=spec.group_size,
         )
         spent = spec.max_generated_tokens is not None and total_generated >= spec.max_generated_tokens
         if step % spec.log_every == 0 or step == spec.steps - 1 or spent:

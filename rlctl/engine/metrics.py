@@ -7,7 +7,7 @@ What this is not: storage (metric sinks) or display (the CLI).
 
 Names: reward_mean, reward_std, reward/<component>, kl_ref, entropy,
 response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
-nan_inf_skipped_steps, reward_error_count, T_r, T_v, T_l, T_s, step_time_s,
+nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
 logprob_mismatch_mean/max, policy_version.
@@ -23,15 +23,18 @@ from rlctl.contracts.types import TerminalReason, Trajectory
 
 def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
                  advantages: Any, verify_latencies: Sequence[float], learner_version: int,
-                 times: Mapping[str, float], trained_version: int | None = None) -> dict[str, float]:
+                 times: Mapping[str, float], trained_version: int | None = None,
+                 dropped: Sequence[Trajectory] = (), group_size: int = 1) -> dict[str, float]:
     """One step's metrics. ``trained_version``: the learner's policy version the batch was trained
     against (before the update; default ``learner_version - 1``); staleness is measured from it, so a
-    step whose update was skipped does not report negative staleness."""
+    step whose update was skipped does not report negative staleness. ``dropped``: the trajectories of
+    groups dropped before training (generated, never learned from; counted in ESR and tokens/s)."""
     base = learner_version - 1 if trained_version is None else trained_version
     ok = [t for t in scored if t.reward_error is None]
     rewards = [float(t.reward) for t in ok if t.reward is not None]
     lengths = [t.num_response_tokens for t in scored]
-    generated = sum(lengths)
+    generated = sum(lengths) + sum(t.num_response_tokens for t in dropped)
+    num_generated = len(scored) + len(dropped)
     informative = (advantages.flatten() != 0).tolist()
     learned = sum(n for n, keep in zip(lengths, informative) if keep)
     useful = sum(1 for t, keep in zip(scored, informative) if keep and t.reward_error is None)
@@ -42,16 +45,19 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         "response_length_mean": _mean(lengths),
         "response_length_max": float(max(lengths, default=0)),
         "truncated_frac": _mean([t.terminal_reason is TerminalReason.LENGTH for t in scored]),
-        "reward_error_count": float(len(scored) - len(ok)),
+        "reward_error_count": float(num_generated - len(ok)),
+        "reward_error_frac": (num_generated - len(ok)) / num_generated if num_generated else 0.0,
+        "groups_dropped": float(len(dropped) // max(group_size, 1)),
         "generated_tokens_per_s": generated / times["T_r"] if times["T_r"] > 0 else 0.0,
         "learned_tokens_per_s": learned / times["T_l"] if times["T_l"] > 0 else 0.0,
-        "esr": useful / len(scored) if scored else 0.0,
+        "esr": useful / num_generated if num_generated else 0.0,
         "step_time_s": step_time,
         "policy_version": float(learner_version),
         "staleness_mean": _mean([base - t.policy_version for t in scored]),
         "staleness_max": float(max((base - t.policy_version for t in scored), default=0)),
     }
     out["effective_tokens_per_s"] = out["generated_tokens_per_s"] * out["esr"]
+    out["reward_length_corr"] = _corr(rewards, [t.num_response_tokens for t in ok if t.reward is not None])
     for name in sorted({k for t in ok for k in t.reward_components}):
         out[f"reward/{name}"] = _mean([t.reward_components.get(name, 0.0) for t in ok])
     for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
@@ -64,6 +70,16 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
 
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _corr(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Pearson correlation (0 when either side is constant): a reward that tracks length is a hacking sign."""
+    if len(xs) < 2:
+        return 0.0
+    mx, my = _mean(xs), _mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return float(sxy / (sxx * syy) ** 0.5) if sxx > 0 and syy > 0 else 0.0
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

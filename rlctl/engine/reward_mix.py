@@ -21,6 +21,7 @@ from typing import Sequence
 
 from rlctl import RewardResult, Trajectory
 from rlctl.contracts.roles import RewardFunction
+from rlctl.engine.faults import fault_site
 
 
 class MixedReward:
@@ -52,7 +53,12 @@ class MixedReward:
         logs: list[str] = []
         for name, _, fn in self.components:
             try:
+                fault_site("verifier.score", trajectory=trajectory, grader=name)
                 result = fn.score(trajectory, reference)
+            except TimeoutError as err:  # a deadline, not a verdict: flagged as a timeout, retried or excluded
+                errors.append(f"timeout:{name}")
+                logs.append(f"{name}: {err}")
+                continue
             except Exception as err:  # reported through error_code + log, never a silent zero
                 errors.append(f"grader_error:{name}")
                 logs.append(f"{name}: {type(err).__name__}: {err}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import ConfigError, DataError
@@ -43,6 +43,10 @@ class Session:
     sampling: SamplingConfig
     estimator: AdvantageEstimator
     critic: CriticBackend | None = None  # the value model, when the estimator needs one
+    reward_factory: Callable[[], MixedReward] | None = None  # a fresh grader, for retries after a timeout/crash
+    reward_pool: Any = None  # a RewardPool when reward.workers > 1; the loop then grades through it
+    queue: Any = None  # the live TrajectoryQueue of an overlapped run (rlctl.engine.async_loop); None when sync
+    queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
 
 
 def load_task(config: RunConfig, plugins: Plugins, reward: MixedReward | None = None) -> TaskData:
@@ -74,6 +78,25 @@ def build_reward(config: RunConfig, plugins: Plugins) -> MixedReward:
         fn = plugins.build("reward_function", comp.name, comp.options, f"reward.components.{i}.options")
         parts.append((comp.name, comp.weight, fn))
     return MixedReward(parts)
+
+
+def reward_from_config(config: RunConfig) -> MixedReward:
+    """The run's mixed reward built from scratch (a reward worker process calls this)."""
+    from rlctl.hooks.manager import load_plugins
+
+    return build_reward(config, load_plugins())
+
+
+def build_reward_pool(config: RunConfig) -> Any:
+    """A process pool of ``reward.workers`` graders, or None for in-process grading."""
+    if config.reward.workers <= 1:
+        return None
+    from functools import partial
+
+    from rlctl.engine.reward_pool import ProcessRewardPool
+
+    r = config.reward
+    return ProcessRewardPool(partial(reward_from_config, config), r.workers, timeout_s=r.timeout_s, retries=r.retries)
 
 
 def resolve_policy_dir(config: RunConfig, task: TaskData, cache_root: Path,
@@ -172,4 +195,6 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                    cursor=PromptCursor(task.train, seed=config.run.seed, batch_size=config.algo.prompts_per_step,
                                        length_window=config.task.length_grouping),
                    sampling=sampling_config(config), estimator=estimator,
-                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None)
+                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None,
+                   reward_factory=lambda: build_reward(config, plugins),
+                   reward_pool=build_reward_pool(config))

@@ -113,6 +113,7 @@ def capture(session: Session, steps_done: int, metrics: Mapping[str, float], pro
         dataset_version=session.task.version, tokenizer_hash=session.tokenizer_hash,
         tokenizer_dir=str(session.policy_dir), metrics=dict(metrics),
         critic=state_codec.clone(session.critic.state()) if session.critic is not None else None,
+        queue=session.queue.cursor() if session.queue is not None else session.queue_cursor,
     )
 
 
@@ -131,6 +132,7 @@ def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -
     if session.critic is not None:
         session.critic.load_state(state.critic)
     session.cursor.state = _cursor(state.cursor, len(session.cursor.records))
+    session.queue_cursor = state.queue  # applied when the trajectory queue opens (or re-applied by the driver)
     drift = shadow_drift(learner, state.shadow)
     if not drift <= shadow_tolerance:
         raise CheckpointError(

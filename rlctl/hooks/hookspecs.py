@@ -89,6 +89,17 @@ def register_metric_sinks(register: Register) -> None:
 
 
 @hookspec
+def register_faults(register: Register) -> None:
+    """Register fault kinds for ``rlctl inject`` / ``faults.inject``: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options)`` returns a Fault: an object with ``arm(ctx: FaultContext)
+    -> disarm`` that arms handlers at the real failure sites
+    (``rlctl.engine.faults.arm``) and returns a function that disarms them.
+    Called once at startup; ``arm`` is called when a run with that fault starts.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add CLI commands to the root ``typer.Typer`` (use ``app.command`` / ``app.add_typer``)."""
 

@@ -40,6 +40,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "reward_function": ("register_reward_functions", "reward_function", "reward function"),
     "metric_sink": ("register_metric_sinks", "metric_sink", "metric sink"),
     "advantage_estimator": ("register_advantage_estimators", "advantage_estimator", "advantage estimator"),
+    "fault": ("register_faults", "fault", "fault"),
 }
 
 

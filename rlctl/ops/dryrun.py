@@ -98,6 +98,7 @@ class DryrunReport:
     placements: dict[str, list[DeviceLedger]]
     smoke: SmokeResult | None
     notes: tuple[str, ...] = ()
+    staleness: Any = None  # rlctl.ops.staleness.RunPrediction for mode one_step_off / async (needs the smoke step)
 
     @property
     def fits(self) -> dict[str, bool]:
@@ -131,8 +132,16 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
         if options.shape:
             notes.append("smoke step runs the config's own model; the ledger above is for the --shape model")
         smoke = smoke_step(config, plugins, home, task, options)
+    staleness = None
+    if config.mode != "sync":
+        if smoke is None:
+            notes.append("staleness prediction needs the smoke step's timings (drop --no-smoke)")
+        else:
+            from rlctl.ops.staleness import predict_for_run
+
+            staleness = predict_for_run(config, smoke.metrics)
     return DryrunReport(checks=tuple(checks), shape=shape, workload=work, strategy=strat, placements=placements,
-                        smoke=smoke, notes=tuple(notes))
+                        smoke=smoke, notes=tuple(notes), staleness=staleness)
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -315,6 +324,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
             metrics = run_sync(session, LoopSpec.from_config(cfg), [], observe)
     finally:
         session.rollout.close()
+        if session.reward_pool is not None:
+            session.reward_pool.close()
     wall = time.perf_counter() - started
     tokenizer_vocab = len(session.tokenizer)
     shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)

@@ -89,6 +89,7 @@ class Run:
         self.started = time.perf_counter()
         self._lock, self._new = lock, new
         self.session: "Session | None" = None
+        self._guard: Any = None  # rlctl.ops.recovery.RunGuard while the loop runs
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -127,6 +128,8 @@ class Run:
         except BaseException:
             if self.session is not None:
                 self.session.rollout.close()
+                if self.session.reward_pool is not None:
+                    self.session.reward_pool.close()
             if self._lock is not None:
                 self._lock.release()
             raise
@@ -169,6 +172,10 @@ class Run:
                                   f"{self.record.id}", f"resume {state.run_id} instead")
         for message in skipped:
             self.warn(message)
+        if skipped:
+            self.event("checkpoint_fallback", f"fell back to {Path(path).name}: {len(skipped)} newer checkpoint(s) "
+                       "failed verification", {"checkpoint": path, "step": state.step, "skipped": skipped,
+                                              "num_skipped": len(skipped)})
         reconcile(self.registry, self.record.id, store)
         return path, state, skipped
 
@@ -184,6 +191,7 @@ class Run:
     def execute(self, *, start_step: int = 0, resumed_from: str | None = None) -> TrainResult:
         """Run the adopted session's loop from ``start_step`` to the end, then evaluate if configured."""
         from rlctl.engine.loop import LoopSpec, run_sync
+        from rlctl.ops.recovery import RunGuard
 
         session = self.session
         assert session is not None, "adopt a session before execute"
@@ -202,10 +210,21 @@ class Run:
                     for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
                 checkpointer = self._checkpointer(session)
                 self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
+                # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.ops.recovery)
+                self._guard = RunGuard(session, run_id, self.dir.root, self.registry, self.plugins, self.warn,
+                                       start_step).start(checkpointer)
                 if self.cb.start:
                     self.cb.start(start_step, config.train.steps, config.train.log_every)
-                last = run_sync(session, LoopSpec.from_config(config), sinks, self._on_step, start_step=start_step,
-                                checkpoint=checkpointer)
+                from rlctl.dist import needs_overlap, run_overlapped
+
+                spec = LoopSpec.from_config(config)
+                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver
+                    last = run_overlapped(session, self.plugins, self.dir.root, sinks, self._on_step,
+                                          start_step=start_step, checkpoint=checkpointer, store=checkpointer.store)
+                else:
+                    last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step,
+                                                                  start_step=first, checkpoint=checkpointer),
+                                           start_step, checkpointer)
                 checkpointer.close()
                 self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
                                          session.tokenizer.save_pretrained)
@@ -225,12 +244,16 @@ class Run:
                 self.event("failed", f"{type(err).__name__}: {err}")
                 raise
             finally:
+                if self._guard is not None:
+                    self._guard.close()
                 for sink in sinks:
                     sink.close()
                 if status != "failed":
                     self.registry.update_run(run_id, status=status)
                 self.plugins.pm.hook.on_run_end(run_id=run_id, status=status)
                 session.rollout.close()
+                if session.reward_pool is not None:
+                    session.reward_pool.close()
                 if self._lock is not None:
                     self._lock.release()
         return self._finish(config, last, start_step, resumed_from)
@@ -251,6 +274,8 @@ class Run:
         self.plugins.pm.hook.on_step_end(run_id=self.record.id, step=step, metrics=metrics)
         if self.cb.step:
             self.cb.step(step, metrics)
+        if self._guard is not None:
+            self._guard.on_step_end(step, metrics)  # may raise NanRollback: the guard re-runs from a checkpoint
 
     def _checkpointer(self, session: "Session") -> Any:
         from rlctl.engine.snapshot import Provenance, StepCheckpointer

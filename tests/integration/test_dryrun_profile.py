@@ -41,6 +41,16 @@ def test_dryrun_tiny_table_output(home):
         assert needle in proc.stdout, needle
 
 
+def test_dryrun_predicts_staleness_for_async_configs(home):
+    out = json.loads(rlctl("dryrun", "configs/quickstart.yaml", *TINY_OVERRIDES, "mode=async",
+                           "staleness.max_staleness=2", "--json", home=home, check=True).stdout)
+    pred, inputs = out["staleness"]["prediction"], out["staleness"]["inputs"]
+    assert inputs["mode"] == "async" and inputs["capacity"] == 3 * 4 and inputs["workers"] == 2
+    assert 0 <= pred["staleness_mean"] <= pred["staleness_p95"] <= 2
+    assert 0 <= pred["learner_wait_share"] <= 1 and 0 <= pred["rollout_wait_share"] <= 1
+    assert inputs["learn_s"] > 0 and inputs["token_s"] > 0
+
+
 def test_dryrun_7b_shape_on_8x80_per_placement(home):
     recipe = ["rollout.max_tokens=1024", "algo.micro_batch_size=1", "train.learner_options.gradient_checkpointing=true",
               "--prompt-tokens", "512", "--shape", "7b", "--gpus", "8", "--gpu-mem", "80GiB", "--zero-stage", "3",

@@ -28,18 +28,21 @@ BUILTINS = {
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
     "critic_backend": ["torch"],
-    "reward_function": ["format", "length", "math"],
+    "reward_function": ["code", "format", "length", "math"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
+    "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "jsonl", "parquet")},
-    "rewards": {"reward function": ("format", "length", "math")},
+    "rewards": {"reward function": ("code", "format", "length", "math")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
+    "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
+                         "verifier-timeout")},
 }
 
 
@@ -136,7 +139,7 @@ def test_builtins_build(tmp_path: Path) -> None:
     ("kind", "typo", "suggestion", "installed"),
     [
         ("rollout_backend", "loacl", "local", "local, sglang"),
-        ("reward_function", "maht", "math", "format, length, math"),
+        ("reward_function", "maht", "math", "code, format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "torch"),
     ],
@@ -310,7 +313,7 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
                 FakeEntryPoint("unwanted", reward_plugin(other=(GoodReward, None))))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
-    assert plugins.names("reward_function") == ["format", "good", "length", "math"]
+    assert plugins.names("reward_function") == ["code", "format", "good", "length", "math"]
     assert plugins.names("task_source") == ["arith", "jsonl", "parquet"]
 
 

@@ -1,0 +1,1 @@
+"""Built-in fault kinds for ``rlctl inject`` and the ``faults:`` config section."""

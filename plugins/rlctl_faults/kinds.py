@@ -1,0 +1,202 @@
+"""Fault kinds: each arms a handler at the real place where that failure happens.
+
+What this is: one small class per kind. ``arm(ctx)`` registers a handler at a
+fault site (rlctl.engine.faults) and returns its disarm function. Each
+handler produces the real failure, never a log line that pretends one:
+
+- ``nan``: multiplies the learner's loss by NaN at ``learner.loss``, so the
+  backward pass produces NaN gradients and the learner's own check skips the
+  step.
+- ``oom``: raises ``torch.OutOfMemoryError`` at ``learner.alloc``, the point
+  where the learner is about to allocate a micro-batch's activations (once per
+  faulted step, or whenever a micro-batch has more than ``max_rows`` rows).
+- ``verifier-timeout`` / ``verifier-error``: for a ``rate`` fraction of
+  (sample, attempt) pairs the call of one reward component (``target``, by
+  default the first: the verifier) at ``verifier.score`` raises
+  ``TimeoutError`` (after ``delay_s``) or ``RuntimeError``; the reward mix
+  records them as ``timeout:`` / ``grader_error:`` error codes.
+- ``bad-checkpoint``: right after a checkpoint is committed
+  (``checkpoint.committed``), truncates or bit-flips one of its files.
+- ``learner-crash``: SIGKILLs the process at ``learner.train_step`` (mid-step).
+- ``slow-rollout``: sleeps ``delay_s`` inside the rollout call (a straggler).
+
+What this is not: recovery (the roles and rlctl.ops.recovery do that).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlctl.engine.faults import FaultContext, arm
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NanOptions(_Options):
+    value: Literal["nan", "inf"] = Field("nan", description="Poison with NaN or +Inf.")
+
+
+class NanFault:
+    """Poison the learner's loss for ``count`` steps in a row from ``at_step``."""
+
+    def __init__(self, options: NanOptions | None = None) -> None:
+        self.options = options or NanOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        poison = float(self.options.value)
+
+        def handler(loss: Any, **_: Any) -> Any:
+            if not ctx.due():
+                return loss
+            ctx.fire(f"loss poisoned with {self.options.value} at the learner")
+            return loss * poison
+
+        return arm("learner.loss", handler)
+
+
+class OomOptions(_Options):
+    max_rows: int | None = Field(None, ge=0, description="Raise whenever a micro-batch has more rows than this "
+                                 "during the fault's steps; null = raise once per faulted step.")
+
+
+class OomFault:
+    """torch.OutOfMemoryError at the learner's micro-batch allocation."""
+
+    def __init__(self, options: OomOptions | None = None) -> None:
+        self.options = options or OomOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        import torch
+
+        cap = self.options.max_rows
+
+        def handler(value: Any, rows: int = 0, **_: Any) -> Any:
+            if not ctx.in_window():
+                return value
+            if cap is not None and rows > cap or cap is None and ctx.due():
+                ctx.fire(f"learner allocation for a micro-batch of {rows} rows failed (out of memory)",
+                         {"rows": rows})
+                raise torch.OutOfMemoryError(f"out of memory: tried to allocate activations for a micro-batch "
+                                             f"of {rows} sequences (injected fault)")
+            return value
+
+        return arm("learner.alloc", handler)
+
+
+class VerifierOptions(_Options):
+    delay_s: float = Field(0.0, ge=0, description="Seconds the grader spends before failing.")
+
+
+class _VerifierFault:
+    error: type[Exception] = RuntimeError
+    what = "grader crashed"
+
+    def __init__(self, options: VerifierOptions | None = None) -> None:
+        self.options = options or VerifierOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        attempts: dict[str, int] = {}
+        hit: list[str] = [ctx.target] if ctx.target else []
+
+        def handler(value: Any, trajectory: Any = None, grader: str = "", **_: Any) -> Any:
+            if not hit:
+                hit.append(grader)  # default target: the first reward component (the verifier)
+            if trajectory is None or grader != hit[0] or not ctx.in_window():
+                return value
+            n = attempts[trajectory.id] = attempts.get(trajectory.id, 0) + 1
+            if ctx.chance(f"{trajectory.id}/{n}"):
+                ctx.num_fired += 1
+                if self.options.delay_s:
+                    time.sleep(self.options.delay_s)
+                raise self.error(f"{self.what} on sample {trajectory.id} (attempt {n}, injected fault)")
+            return value
+
+        return arm("verifier.score", handler)
+
+
+class VerifierTimeout(_VerifierFault):
+    """The grader times out on a ``rate`` fraction of (sample, attempt) pairs."""
+
+    error = TimeoutError
+    what = "grader deadline exceeded"
+
+
+class VerifierError(_VerifierFault):
+    """The grader crashes on a ``rate`` fraction of (sample, attempt) pairs."""
+
+
+class BadCheckpointOptions(_Options):
+    file: str = Field("model/model.safetensors", description="File of the checkpoint to damage.")
+    mode: Literal["truncate", "flip"] = Field("truncate", description="Cut the file in half, or flip one byte.")
+
+
+class BadCheckpoint:
+    """Damage the first checkpoint committed at or after ``at_step`` completed steps."""
+
+    def __init__(self, options: BadCheckpointOptions | None = None) -> None:
+        self.options = options or BadCheckpointOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        done = bool(ctx.fired_steps)
+
+        def handler(value: Any, path: str = "", step: int = 0, **_: Any) -> Any:
+            nonlocal done
+            if done or step < ctx.at_step:
+                return value
+            done = True
+            target = Path(path) / self.options.file
+            data = target.read_bytes()
+            ctx.fire(f"{self.options.mode} {self.options.file} of committed checkpoint {Path(path).name}",
+                     {"checkpoint": path, "file": self.options.file, "checkpoint_step": step})
+            if self.options.mode == "truncate":
+                target.write_bytes(data[: len(data) // 2])
+            else:
+                middle = len(data) // 2
+                target.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+            return value
+
+        return arm("checkpoint.committed", handler)
+
+
+class LearnerCrash:
+    """SIGKILL the learner process in the middle of step ``at_step``."""
+
+    def __init__(self, options: Any = None) -> None:
+        pass
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        def handler(value: Any, **_: Any) -> Any:
+            if ctx.due():
+                ctx.fire("learner process SIGKILLed mid-step")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return value
+
+        return arm("learner.train_step", handler)
+
+
+class SlowRolloutOptions(_Options):
+    delay_s: float = Field(2.0, ge=0, description="Extra seconds the rollout call takes.")
+
+
+class SlowRollout:
+    """The rollout call of each faulted step takes ``delay_s`` longer (a straggler)."""
+
+    def __init__(self, options: SlowRolloutOptions | None = None) -> None:
+        self.options = options or SlowRolloutOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        def handler(value: Any, **_: Any) -> Any:
+            if ctx.due():
+                ctx.fire(f"rollout straggles for {self.options.delay_s:g}s")
+                time.sleep(self.options.delay_s)
+            return value
+
+        return arm("rollout.generate", handler)

@@ -1,0 +1,27 @@
+"""Built-in fault kinds: the entry point ``faults = "rlctl_faults.plugin"``.
+
+What this is: registers each fault kind with its options model, exactly as a
+third-party plugin would (``register_faults``).
+
+What this is not: the recovery policies (rlctl.ops.recovery and the roles
+themselves) or the fault sites (rlctl.engine.faults).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlctl import hookimpl
+from rlctl_faults import kinds
+
+
+@hookimpl
+def register_faults(register: Callable[..., None]) -> None:
+    """Register nan, oom, verifier-timeout, verifier-error, bad-checkpoint, learner-crash, slow-rollout."""
+    register("nan", kinds.NanFault, options=kinds.NanOptions)
+    register("oom", kinds.OomFault, options=kinds.OomOptions)
+    register("verifier-timeout", kinds.VerifierTimeout, options=kinds.VerifierOptions)
+    register("verifier-error", kinds.VerifierError, options=kinds.VerifierOptions)
+    register("bad-checkpoint", kinds.BadCheckpoint, options=kinds.BadCheckpointOptions)
+    register("learner-crash", kinds.LearnerCrash, options=None)
+    register("slow-rollout", kinds.SlowRollout, options=kinds.SlowRolloutOptions)

@@ -1,0 +1,81 @@
+"""Placement of the roles: in this process (``local``) or as Ray actors (``ray``).
+
+What this is: ``run_overlapped``, which builds the rollout workers (and, for
+Ray, the learner actor) for a session and runs the overlapped loop
+(rlctl.engine.async_loop) with them. rlctl.dist.ray is the only module in
+rlctl that imports ray; it is imported only when ``cluster.backend`` is ray.
+
+What this is not: the loop itself or run bookkeeping (rlctl.ops.train).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from rlctl.contracts.errors import ConfigError
+
+
+def needs_overlap(config: Any) -> bool:
+    """Whether a run goes through the overlapped driver rather than the plain synchronous loop."""
+    return config.mode != "sync" or config.cluster.backend == "ray"
+
+
+def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[Any],
+                   observer: Callable[[int, Mapping[str, float]], None] | None = None, start_step: int = 0,
+                   checkpoint: Any = None, store: Any = None) -> dict[str, float]:
+    """Run ``session`` with the placement its config names; ``store`` lets a lost learner be restored in-run."""
+    from rlctl.engine.async_loop import AsyncDriver, AsyncSpec, WorkerPool
+
+    config = session.config
+    if session.critic is not None or session.estimator.max_sample_rounds > 1:
+        raise ConfigError(f"algo.name={config.algo.name} (a critic or refilled group sampling) runs in mode=sync on "
+                          "the local backend only", "set mode=sync cluster.backend=local, or use grpo / rloo / "
+                          "dr_grpo / reinforce_pp / gspo for overlapped training")
+    spec = AsyncSpec.from_config(config)
+    if config.cluster.backend == "ray":
+        from rlctl.dist.ray import RayPlacement
+
+        placement: Any = RayPlacement(session, plugins)
+    else:
+        from rlctl.dist.local import LocalPlacement
+
+        placement = LocalPlacement(session, plugins)
+    try:
+        workers = placement.workers()
+        driver = AsyncDriver(session, spec, workers, directory / "queue",
+                             recover=_recover(session, store) if store is not None else None)
+        local_rollout = session.rollout
+        session.rollout = WorkerPool(workers, driver.board)
+        try:
+            return driver.run(sinks, observer, start_step=start_step, checkpoint=checkpoint)
+        finally:
+            session.rollout = local_rollout
+            session.queue = None
+    finally:
+        placement.close()
+
+
+def _recover(session: Any, store: Any) -> Callable[[], int]:
+    """Restore the newest committed checkpoint into a restarted learner; 0 when there is none yet."""
+
+    def recover() -> int:
+        from rlctl.engine.snapshot import restore
+
+        from rlctl.contracts.errors import CheckpointError
+
+        try:
+            store.wait()  # a save in flight either commits or is not a checkpoint
+        except CheckpointError:
+            pass
+        committed = store.list_committed()
+        if not committed:
+            session.queue_cursor = None
+            session.rollout.update_weights(session.learner.export_weights())
+            return 0
+        path, _ = committed[-1]
+        state = store.load(path)
+        restore(session, state, session.config.checkpoint.shadow_tolerance)
+        return state.step
+
+    return recover

@@ -1,0 +1,262 @@
+"""Ray placement: rollout workers and the learner as Ray actors in one placement group.
+
+What this is: ``RayPlacement`` (joins ``cluster.address`` or starts a local
+cluster, reserves one bundle per actor with the configured CPUs/GPUs, starts
+the actors with ``max_restarts``) and the driver-side handles ``RayWorker``
+and ``RayLearner`` that turn a dead actor into WorkerLost / LearnerLost for
+the overlapped loop. This is the only module of rlctl that imports ray.
+
+A restarted rollout actor comes back with its initial weights; the loop
+loads the current version into it before it serves (RayWorker.restart waits
+until the actor answers again). A restarted learner actor comes back at
+version 0 and is restored from the newest checkpoint by the loop.
+
+What this is not: the loop (rlctl.engine.async_loop). Reward scoring stays on
+the driver: the built-in rewards are microseconds per sample.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlctl.contracts.errors import RoleError
+from rlctl.contracts.types import LearnerContext, RolloutContext, RolloutRequest, Trajectory, WeightUpdate
+from rlctl.engine.async_loop import LearnerLost, WorkerLost
+
+_LOST = (RayActorError, ActorUnavailableError)
+READY_TIMEOUT_S = 600.0  # a restarting actor imports torch and loads its model; shared CPUs are slow
+
+
+def _threads(n: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+
+
+@ray.remote
+class RolloutActor:
+    """Hosts one rollout backend built from the plugin registry inside the actor's process."""
+
+    def __init__(self, backend: str, options: Mapping[str, Any], ctx: RolloutContext, threads: int) -> None:
+        _threads(threads)
+        from rlctl.hooks.manager import load_plugins
+
+        self.backend = load_plugins().build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        return self.backend.generate(requests)
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        self.backend.update_weights(update)
+        return update.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote
+class LearnerActor:
+    """Hosts the learner backend; the driver calls its methods by name."""
+
+    def __init__(self, learner: str, options: Mapping[str, Any], ctx: LearnerContext, threads: int) -> None:
+        _threads(threads)
+        from rlctl.hooks.manager import load_plugins
+
+        self.learner = load_plugins().build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.learner, method)(*args)
+
+    def attr(self, name: str) -> Any:
+        return getattr(self.learner, name)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _wait_alive(actor: Any, what: str) -> None:
+    """Block until a restarting actor answers; RoleError once Ray gives up on it.
+
+    A ping sent while the actor restarts is queued and answered by the new
+    process. ActorDiedError on a fresh ping means the actor is dead for good,
+    except when the ping raced the death itself: three in a row are final.
+    """
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    died = 0
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.pid.remote(), timeout=5)
+            return
+        except (GetTimeoutError, ActorUnavailableError):
+            time.sleep(0.2)
+        except ActorDiedError:
+            died += 1
+            if died >= 3:
+                raise RoleError(f"{what} died and Ray will not restart it",
+                                "raise cluster.max_restarts, or look at the actor's log under the Ray session "
+                                "directory") from None
+            time.sleep(0.5)
+    raise RoleError(f"{what} did not come back within {READY_TIMEOUT_S:.0f}s",
+                    "check the cluster's free resources with `ray status`")
+
+
+class RayWorker:
+    """Driver-side handle of a RolloutActor."""
+
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name, self.actor = name, actor
+        self._ref: tuple[int, str, Any] | None = None
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        try:
+            return ray.get(self.actor.generate.remote(list(requests)))
+        except _LOST as err:
+            raise WorkerLost(f"{type(err).__name__}") from err
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        if self._ref is None or self._ref[:2] != (update.version, update.fingerprint):
+            self._ref = (update.version, update.fingerprint, ray.put(update))  # one copy per version in the store
+        try:
+            ray.get(self.actor.update_weights.remote(self._ref[2]))
+        except _LOST as err:
+            raise WorkerLost(f"{type(err).__name__}") from err
+
+    def restart(self) -> None:
+        _wait_alive(self.actor, f"rollout worker {self.name}")
+
+    def pid(self) -> int:
+        return ray.get(self.actor.pid.remote())
+
+
+class RayLearner:
+    """Driver-side stand-in for the learner backend running in a LearnerActor (same methods)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(self.actor.call.remote(method, *args))
+        except _LOST as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+
+    @property
+    def policy_version(self) -> int:
+        try:
+            return ray.get(self.actor.attr.remote("policy_version"))
+        except _LOST as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+
+    def logprobs(self, batch: Any) -> Any:
+        return self._call("logprobs", batch)
+
+    def ref_logprobs(self, batch: Any) -> Any:
+        return self._call("ref_logprobs", batch)
+
+    def train_step(self, batch: Any) -> Mapping[str, float]:
+        return self._call("train_step", batch)
+
+    def export_weights(self) -> WeightUpdate:
+        return self._call("export_weights")
+
+    def checkpoint_state(self) -> Any:
+        return self._call("checkpoint_state")
+
+    def load_checkpoint_state(self, state: Any) -> None:
+        self._call("load_checkpoint_state", state)
+
+    def save_pretrained(self, directory: str) -> None:
+        self._call("save_pretrained", directory)
+
+    def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
+        return {}  # the learner's tensors live in the actor's process
+
+    def pid(self) -> int:
+        return ray.get(self.actor.pid.remote())
+
+
+class RayPlacement:
+    """Starts (or joins) Ray, reserves the bundles, and runs the learner and the rollout workers as actors.
+
+    The session keeps its in-process learner as the canonical copy between
+    runs: the actor starts from it (so a resumed run continues from the
+    restored state) and the final state is copied back on close (so the final
+    policy and evaluation read it as in a local run).
+    """
+
+    def __init__(self, session: Any, plugins: Any) -> None:
+        cfg = session.config.cluster
+        self.session, self.cfg = session, cfg
+        self._started = False
+        if not ray.is_initialized():
+            if cfg.address:
+                ray.init(address=cfg.address, log_to_driver=False)
+            else:
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local cluster on loopback
+                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
+            self._started = True
+        n = cfg.num_rollout_workers
+        bundles = [{"CPU": cfg.learner_num_cpus, **({"GPU": cfg.learner_num_gpus} if cfg.learner_num_gpus else {})}]
+        bundles += [{"CPU": cfg.rollout_num_cpus, **({"GPU": cfg.rollout_num_gpus} if cfg.rollout_num_gpus else {})}
+                    for _ in range(n)]
+        self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(self.pg)
+            if self._started:
+                ray.shutdown()
+            raise RoleError(f"the Ray cluster cannot place {len(bundles)} bundles {bundles} "
+                            f"(it has {ray.cluster_resources()})",
+                            "lower cluster.num_rollout_workers or the per-actor num_cpus/num_gpus, or add nodes") from None
+        self.local_learner = session.learner
+        config, s = session.config, session
+        lctx = LearnerContext(model_dir=str(s.policy_dir), algo=config.algo, optim=config.train.optim,
+                              seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
+                              deterministic=config.train.deterministic)
+        threads = max(1, int(cfg.learner_num_cpus))
+        self.learner_actor = LearnerActor.options(
+            num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus, max_restarts=cfg.max_restarts,
+            max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0),
+        ).remote(config.train.learner, config.train.learner_options, lctx, threads)
+        self.learner = RayLearner(self.learner_actor)
+        if self.local_learner.policy_version > 0:  # a resumed run: the actor continues from the restored state
+            self.learner.load_checkpoint_state(self.local_learner.checkpoint_state())
+        self.actors = [
+            RolloutActor.options(
+                num_cpus=cfg.rollout_num_cpus, num_gpus=cfg.rollout_num_gpus, max_restarts=cfg.max_restarts,
+                max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i + 1),
+            ).remote(config.rollout.backend, config.rollout.options,
+                     RolloutContext(model_dir=str(s.policy_dir), tokenizer_hash=s.tokenizer_hash,
+                                    seed=config.run.seed + 1000 * i), max(1, int(cfg.rollout_num_cpus)))
+            for i in range(n)
+        ]
+        session.learner = self.learner
+
+    def workers(self) -> list[RayWorker]:
+        return [RayWorker(f"ray-{i}", a) for i, a in enumerate(self.actors)]
+
+    def close(self) -> None:
+        try:
+            if self.session.learner is self.learner:
+                try:
+                    self.local_learner.load_checkpoint_state(self.learner.checkpoint_state())
+                except (LearnerLost, RoleError):
+                    pass  # the run is failing anyway; the newest checkpoint holds the state
+        finally:
+            self.session.learner = self.local_learner
+            for actor in [self.learner_actor, *self.actors]:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(self.pg)
+            if self._started:
+                ray.shutdown()

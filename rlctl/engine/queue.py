@@ -1,0 +1,554 @@
+"""The trajectory queue between rollout and learner, backed by a write-ahead log on disk.
+
+What this is: ``TrajectoryQueue``. Rollout puts whole groups (the G samples
+of one prompt, never split); the learner takes ``n`` groups for a step. A put
+is acknowledged only after its record is written and fsynced, so a crash
+loses at most un-acknowledged groups. Reopening the queue replays the log,
+drops duplicate group ids and cuts a torn last record.
+
+Log format (chosen over SQLite WAL so that torn-tail handling is explicit and
+testable byte by byte): append-only segment files ``seg-<first seq>.log``,
+each a sequence of records::
+
+    b"RLQ1" | u32 payload length | u32 crc32(payload) | payload (JSON of one group)
+
+A record that does not fit before end of file, or whose CRC fails and that is
+the last thing in the newest segment, is a torn tail: it was never
+acknowledged, so recovery truncates it. Anything else that fails to parse is
+corruption of acknowledged data and stops with ``QueueCorruptError`` naming
+the file and byte offset (nothing is skipped silently).
+
+Consumption is not written to the log: the learner owns it. ``cursor()`` is a
+small JSON value (every group below a sequence watermark, plus the few above
+it, has been consumed or dropped; drop counters by reason). It is saved in
+every checkpoint, and ``restore_cursor`` puts a reopened queue exactly there:
+groups taken after that checkpoint are delivered again, groups consumed before
+it never are.
+
+Back-pressure: a producer ``reserve``s a slot (with the group's draw key)
+before generating; reservations plus buffered groups never exceed
+``capacity``, and a key more than ``max_ahead`` steps ahead of the learner's
+version waits. ``put`` of an unreserved group blocks (or, with ``block=False``,
+raises ``QueueFull``) while the queue is full.
+
+What this is not: scheduling (rlctl.engine.async_loop) or transport (dist/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from rlctl.contracts.errors import RlctlError
+from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.engine.durable import fsync_path
+
+MAGIC = b"RLQ1"
+_HEADER = struct.Struct("<4sII")  # magic, payload length, crc32
+MAX_RECORD_BYTES = 256 << 20  # a length above this is not a record: corruption, never a 4 GiB allocation
+DROP_REASONS = ("stale", "ttl", "orphaned")
+
+
+class QueueError(RlctlError):
+    """The trajectory queue cannot be used as asked."""
+
+
+class QueueCorruptError(QueueError):
+    """An acknowledged record of the write-ahead log is damaged."""
+
+
+class QueueFull(QueueError):
+    """A non-blocking put or reserve found the queue at capacity."""
+
+
+class QueueTimeout(QueueError):
+    """A blocking call waited longer than its timeout."""
+
+
+# -- trajectories as JSON ---------------------------------------------------------
+
+
+def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
+    body = asdict(t)
+    body["terminal_reason"] = t.terminal_reason.value
+    body["reward_components"] = dict(t.reward_components)
+    return body
+
+
+def trajectory_from_dict(body: Mapping[str, Any]) -> Trajectory:
+    values = dict(body)
+    values["sampling_config"] = SamplingConfig(**{**values["sampling_config"],
+                                                  "stop": tuple(values["sampling_config"].get("stop", ()))})
+    values["terminal_reason"] = TerminalReason(values["terminal_reason"])
+    for key in ("prompt_tokens", "response_tokens", "action_mask", "behavior_logprobs"):
+        values[key] = tuple(values[key])
+    t = Trajectory(**values)
+    if not t.verify():
+        raise ValueError(f"trajectory {t.id!r} does not match its checksum")
+    return t
+
+
+# -- entries ------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """One prompt's G trajectories as the queue holds them.
+
+    ``key`` is the producer's draw index (prompt order); ``seq`` the log
+    position (arrival order). ``policy_version`` is the oldest version among
+    the samples: staleness is judged by the stalest sample of the group.
+    """
+
+    group_id: str
+    key: int
+    trajectories: tuple[Trajectory, ...]
+    put_at: float
+    seq: int = -1
+
+    @property
+    def policy_version(self) -> int:
+        return min(t.policy_version for t in self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_response_tokens for t in self.trajectories)
+
+    def to_payload(self) -> bytes:
+        body = {"group": self.group_id, "key": self.key, "put_at": self.put_at,
+                "trajectories": [trajectory_to_dict(t) for t in self.trajectories]}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_payload(cls, payload: bytes, seq: int) -> "Group":
+        body = json.loads(payload)
+        return cls(group_id=body["group"], key=int(body["key"]), put_at=float(body["put_at"]), seq=seq,
+                   trajectories=tuple(trajectory_from_dict(t) for t in body["trajectories"]))
+
+
+@dataclass
+class TakeResult:
+    """A learner step's groups, plus what was dropped while choosing them.
+
+    ``weighted`` lists the group ids kept beyond the staleness bound under
+    ``stale_policy="reweight"`` (the caller applies importance weights to them).
+    ``staleness`` is Δv per taken group, in ``groups`` order.
+    """
+
+    groups: list[Group]
+    drops: dict[str, int]
+    dropped_ids: list[str]
+    weighted: list[str]
+    staleness: list[int]
+    waited_s: float
+
+
+@dataclass
+class QueueStats:
+    depth: int
+    reserved: int
+    oldest_age_s: float
+    puts: int
+    duplicates: int
+    drops: dict[str, int] = field(default_factory=dict)
+    log_bytes: int = 0
+
+
+# -- the log ------------------------------------------------------------------------
+
+
+def encode_record(payload: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def scan_segment(path: Path, *, last: bool) -> tuple[list[tuple[int, bytes]], int | None]:
+    """Records of one segment as ``(offset, payload)``; plus the torn-tail offset to truncate at, if any.
+
+    Raises QueueCorruptError for damage that is not a torn tail of the newest segment.
+    """
+    data = path.read_bytes()
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    while pos < len(data):
+        problem = None
+        end = len(data)
+        if len(data) - pos < _HEADER.size:
+            problem = "an incomplete record header"
+        else:
+            magic, length, crc = _HEADER.unpack_from(data, pos)
+            if magic != MAGIC:
+                problem = f"bad record magic {magic!r}"
+            elif length > MAX_RECORD_BYTES:
+                problem = f"an impossible record length {length}"
+            else:
+                end = pos + _HEADER.size + length
+                if end > len(data):
+                    problem = "a record cut short by end of file"
+                    end = len(data)
+                elif zlib.crc32(data[pos + _HEADER.size:end]) != crc:
+                    problem = "a record whose CRC32 does not match"
+        if problem is None:
+            out.append((pos, data[pos + _HEADER.size:end]))
+            pos = end
+            continue
+        framed = problem.startswith(("a record cut", "a record whose", "an incomplete"))
+        if not framed and not any(data[pos:]):
+            framed = True  # zeros to the end: blocks allocated but never written (power loss mid-append)
+        if last and framed and end >= len(data):
+            return out, pos  # torn tail: the last append never completed, so it was never acknowledged
+        raise QueueCorruptError(
+            f"trajectory log {path} has {problem} at byte offset {pos} followed by more data",
+            "an acknowledged record is damaged (disk fault or outside edit); restore the run directory from a "
+            "backup, or move the log away to start the queue empty (buffered trajectories are then regenerated)")
+    return out, None
+
+
+class TrajectoryQueue:
+    """A durable FIFO of trajectory groups with idempotent puts, TTL, staleness control and back-pressure.
+
+    Thread-safe: one lock guards the state, a condition wakes waiters. Open it
+    with ``TrajectoryQueue(directory, ...)``; the constructor replays the log.
+    """
+
+    def __init__(self, directory: str | Path, *, capacity: int = 1024, batch_groups: int = 1,
+                 max_ahead: int | None = None, ttl_s: float | None = None, segment_bytes: int = 64 << 20,
+                 clock: Any = time.time) -> None:
+        if capacity < 1:
+            raise QueueError(f"queue capacity must be >= 1 (got {capacity})", "set it to at least one batch")
+        self.directory = Path(directory)
+        self.capacity, self.batch_groups, self.max_ahead = capacity, max(1, batch_groups), max_ahead
+        self.ttl_s, self.segment_bytes, self._clock = ttl_s, segment_bytes, clock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pending: dict[int, Group] = {}  # seq -> group, not yet consumed or dropped
+        self._known: set[str] = set()  # every group id in the log (dedup)
+        self._reserved: set[int] = set()  # draw keys admitted but not yet put
+        self._version = 0
+        self._next_seq = 0
+        self._puts = self._duplicates = 0
+        self._drops = {r: 0 for r in DROP_REASONS}
+        self._closed = False
+        self._segment: Any = None
+        self._segment_size = 0
+        self.recovered_torn_bytes = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._replay()
+
+    # -- recovery --------------------------------------------------------------------
+
+    def segments(self) -> list[Path]:
+        return sorted(self.directory.glob("seg-*.log"))
+
+    def _replay(self) -> None:
+        segs = self.segments()
+        for i, path in enumerate(segs):
+            records, torn = scan_segment(path, last=i == len(segs) - 1)
+            first_seq = int(path.stem.split("-")[1])
+            if first_seq < self._next_seq:
+                raise QueueCorruptError(f"trajectory log segment {path.name} overlaps the one before it",
+                                        "the log directory was edited; restore it from a backup")
+            self._next_seq = first_seq
+            for offset, payload in records:
+                try:
+                    group = Group.from_payload(payload, self._next_seq)
+                except (ValueError, KeyError, TypeError) as err:
+                    raise QueueCorruptError(f"trajectory log {path} holds an unreadable record at byte offset "
+                                            f"{offset} ({err})",
+                                            "restore the run directory from a backup") from None
+                self._next_seq += 1
+                if group.group_id in self._known:
+                    self._duplicates += 1
+                    continue
+                self._known.add(group.group_id)
+                self._pending[group.seq] = group
+                self._puts += 1
+            if torn is not None:
+                self.recovered_torn_bytes = path.stat().st_size - torn
+                with path.open("r+b") as handle:
+                    handle.truncate(torn)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
+    # -- cursor ----------------------------------------------------------------------
+
+    def cursor(self) -> dict[str, Any]:
+        """What a checkpoint stores: consumption so far and the drop counters.
+
+        Every log sequence below ``watermark`` and every one in ``resolved`` is
+        consumed or dropped; the rest are pending.
+        """
+        with self._lock:
+            watermark = min(self._pending, default=self._next_seq)
+            resolved = [s for s in range(watermark, self._next_seq) if s not in self._pending]
+            return {"watermark": watermark, "resolved": resolved, "drops": dict(self._drops)}
+
+    def restore_cursor(self, cursor: Mapping[str, Any]) -> None:
+        """Return to a checkpoint's consumption state: groups taken after it are pending again."""
+        watermark = int(cursor["watermark"])
+        resolved = {int(s) for s in cursor.get("resolved", ())}
+        with self._cond:
+            if watermark > self._next_seq or any(s >= self._next_seq for s in resolved):
+                raise QueueError(
+                    f"the checkpoint's queue cursor (watermark {watermark}) is beyond the trajectory log, which "
+                    f"ends at sequence {self._next_seq}",
+                    "the log is older than the checkpoint (restored from another run?); resume with the run's "
+                    "own directory")
+            self._pending = {}
+            self._replay_pending(watermark, resolved)
+            self._drops = {r: int(cursor.get("drops", {}).get(r, 0)) for r in DROP_REASONS}
+            self._cond.notify_all()
+
+    def _replay_pending(self, watermark: int, resolved: set[int]) -> None:
+        for group in self._iter_log():
+            if group.seq >= watermark and group.seq not in resolved:
+                self._pending.setdefault(group.seq, group)
+
+    def _iter_log(self) -> Iterator[Group]:
+        seen: set[str] = set()
+        segs = self.segments()
+        for i, path in enumerate(segs):
+            seq = int(path.stem.split("-")[1])
+            for _, payload in scan_segment(path, last=i == len(segs) - 1)[0]:
+                group = Group.from_payload(payload, seq)
+                seq += 1
+                if group.group_id not in seen:
+                    seen.add(group.group_id)
+                    yield group
+
+    # -- producer side -----------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        """The learner's current policy version (wakes producers waiting on ``max_ahead``)."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def reserve(self, key: int, timeout: float | None = None, block: bool = True) -> None:
+        """Admit the group with draw ``key`` for generation; wait while the queue is full or too far ahead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._admissible(key):
+                if not block:
+                    raise QueueFull(f"the trajectory queue is full ({self._occupancy()}/{self.capacity})",
+                                    "wait for the learner or raise the queue capacity")
+                self._wait(deadline, "a free queue slot")
+            self._reserved.add(key)
+
+    def release(self, key: int) -> None:
+        """Give back a reservation whose group will not be put (e.g. its worker died; it is re-reserved)."""
+        with self._cond:
+            self._reserved.discard(key)
+            self._cond.notify_all()
+
+    def _admissible(self, key: int) -> bool:
+        if self._closed:
+            raise QueueError("the trajectory queue is closed")
+        if self._occupancy() >= self.capacity:
+            return False
+        return self.max_ahead is None or key // self.batch_groups <= self._version + self.max_ahead
+
+    def _occupancy(self) -> int:
+        return len(self._pending) + len(self._reserved)
+
+    def put(self, group: Group, timeout: float | None = None, block: bool = True) -> bool:
+        """Append ``group`` durably; True once it is on disk, False if its id was already in the log."""
+        return self.put_many([group], timeout=timeout, block=block)[0]
+
+    def put_many(self, groups: Sequence[Group], timeout: float | None = None, block: bool = True) -> list[bool]:
+        """Append several groups with one fsync; each result as for ``put``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if self._closed:
+                raise QueueError("the trajectory queue is closed")
+            fresh: list[Group] = []
+            results = []
+            for group in groups:
+                if group.group_id in self._known or any(g.group_id == group.group_id for g in fresh):
+                    self._duplicates += 1
+                    self._reserved.discard(group.key)
+                    results.append(False)
+                    continue
+                unreserved = sum(1 for g in fresh if g.key not in self._reserved)
+                if group.key not in self._reserved:
+                    while len(self._pending) + len(self._reserved) + unreserved >= self.capacity:
+                        if not block:
+                            raise QueueFull(f"the trajectory queue is full ({self._occupancy()}/{self.capacity})",
+                                            "wait for the learner or raise the queue capacity")
+                        self._wait(deadline, "a free queue slot")
+                fresh.append(group)
+                results.append(True)
+            if fresh:
+                self._append([g.to_payload() for g in fresh])
+                for group in fresh:
+                    group.seq = self._next_seq
+                    self._next_seq += 1
+                    self._known.add(group.group_id)
+                    self._pending[group.seq] = group
+                    self._reserved.discard(group.key)
+                    self._puts += 1
+                self._cond.notify_all()
+            return results
+
+    def _append(self, payloads: Sequence[bytes]) -> None:
+        """Write and fsync; the caller acknowledges only after this returns."""
+        if self._segment is None or self._segment_size >= self.segment_bytes:
+            self._rotate()
+        blob = b"".join(encode_record(p) for p in payloads)
+        start = self._segment_size
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(self._segment, view):]
+            os.fsync(self._segment)
+        except OSError as err:
+            os.ftruncate(self._segment, start)  # never leave an un-acknowledged record that replay would accept
+            raise QueueError(f"cannot append to the trajectory log in {self.directory} ({err})",
+                             "free disk space; the producer retries the same group ids") from None
+        self._segment_size += len(blob)
+
+    def _rotate(self) -> None:
+        if self._segment is not None:
+            os.close(self._segment)
+        segs = self.segments()
+        if segs and self._segment is None and segs[-1].stat().st_size < self.segment_bytes:
+            path = segs[-1]  # reopened queue: keep appending to the newest segment
+        else:
+            path = self.directory / f"seg-{self._next_seq:012d}.log"
+        self._segment = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._segment_size = os.fstat(self._segment).st_size
+        fsync_path(self.directory)  # the new file's directory entry is durable before any ack
+
+    # -- consumer side -------------------------------------------------------------------
+
+    def take(self, n: int, current_version: int, *, max_staleness: int | None = None,
+             stale_policy: str = "drop", key_below: int | None = None, timeout: float | None = None) -> TakeResult:
+        """Take ``n`` groups for the learner at ``current_version``, oldest draw key first.
+
+        A group older than ``ttl_s`` is dropped (reason ``ttl``). A group with
+        Δv = current_version - its policy version > ``max_staleness`` is dropped
+        (``stale``) or, with ``stale_policy="reweight"``, kept and listed in
+        ``weighted``. A group from a version newer than ``current_version``
+        (generated before a learner restart rolled the version back) is dropped
+        (``orphaned``). With ``key_below`` only groups of smaller draw key are
+        eligible and the call returns early (with fewer than ``n``) once every
+        such key is resolved. Blocks until then or until ``timeout``.
+        """
+        if stale_policy not in ("drop", "reweight"):
+            raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        taken: list[Group] = []
+        drops = {r: 0 for r in DROP_REASONS}
+        dropped: list[str] = []
+        weighted: list[str] = []
+        with self._cond:
+            while True:
+                now = self._clock()
+                for seq, group in sorted(self._pending.items(), key=lambda kv: (kv[1].key, kv[0])):
+                    if len(taken) >= n:
+                        break
+                    if key_below is not None and group.key >= key_below:
+                        continue
+                    lag = current_version - group.policy_version
+                    reason = None
+                    if self.ttl_s is not None and now - group.put_at > self.ttl_s:
+                        reason = "ttl"
+                    elif lag < 0:
+                        reason = "orphaned"
+                    elif max_staleness is not None and lag > max_staleness:
+                        if stale_policy == "drop":
+                            reason = "stale"
+                        else:
+                            weighted.append(group.group_id)
+                    self._resolve(seq)
+                    if reason is None:
+                        taken.append(group)
+                    else:
+                        drops[reason] += 1
+                        self._drops[reason] += 1
+                        dropped.append(group.group_id)
+                if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below)):
+                    break
+                self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
+            self._cond.notify_all()
+        return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,
+                          staleness=[current_version - g.policy_version for g in taken],
+                          waited_s=time.monotonic() - started)
+
+    def _all_resolved_below(self, key_below: int) -> bool:
+        return (not any(g.key < key_below for g in self._pending.values())
+                and not any(k < key_below for k in self._reserved))
+
+    def _resolve(self, seq: int) -> None:
+        self._pending.pop(seq)
+
+    def _wait(self, deadline: float | None, what: str, restore: list[Group] | None = None) -> None:
+        if self._closed:
+            raise QueueError("the trajectory queue was closed while waiting for " + what)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            for group in restore or ():  # a timed-out take gives back what it had taken
+                self._pending[group.seq] = group
+            raise QueueTimeout(f"timed out waiting for {what}",
+                               "the other side is slow or stopped; check rollout workers and the learner")
+        self._cond.wait(remaining if remaining is not None else 1.0)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> QueueStats:
+        with self._lock:
+            now = self._clock()
+            oldest = min((g.put_at for g in self._pending.values()), default=now)
+            size = sum(p.stat().st_size for p in self.segments())
+            return QueueStats(depth=len(self._pending), reserved=len(self._reserved), oldest_age_s=now - oldest,
+                              puts=self._puts, duplicates=self._duplicates, drops=dict(self._drops), log_bytes=size)
+
+    def reserved_keys(self) -> list[int]:
+        with self._lock:
+            return sorted(self._reserved)
+
+    def pending_ids(self) -> list[str]:
+        with self._lock:
+            return [g.group_id for g in self._pending.values()]
+
+    def known(self, group_id: str) -> bool:
+        with self._lock:
+            return group_id in self._known
+
+    def known_keys(self) -> set[int]:
+        """Draw keys of every group in the log (a resumed producer skips these)."""
+        with self._lock:
+            return {g.key for g in self._iter_log()}
+
+    def compact(self, below_seq: int) -> list[Path]:
+        """Delete whole segments whose records are all below ``below_seq`` (the oldest kept checkpoint's watermark)."""
+        removed = []
+        with self._lock:
+            segs = self.segments()
+            for path, following in zip(segs, segs[1:]):
+                if int(following.stem.split("-")[1]) <= below_seq:
+                    path.unlink()
+                    removed.append(path)
+            if removed:
+                fsync_path(self.directory)
+        return removed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            if self._segment is not None:
+                os.close(self._segment)
+                self._segment = None
+            self._cond.notify_all()
+
+
+def iter_groups(groups: Iterable[Group]) -> Iterator[Trajectory]:
+    for group in groups:
+        yield from group.trajectories

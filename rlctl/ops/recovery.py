@@ -1,0 +1,419 @@
+"""A run's guard: injected faults, recovery events, NaN rollback, live alerts and the hang watchdog.
+
+What this is: ``RunGuard``, which ``rlctl.ops.train.execute`` starts around the
+loop. It
+
+- arms the run's injected faults (``faults.inject`` / ``rlctl inject``) from
+  the fault plugins, recording every firing as a ``fault_injected`` event (a
+  fault that already fired at a step never fires again when that step is
+  re-run after a crash, restart or rollback);
+- after each step, turns the recoveries roles reported (``oom_recovered``...)
+  and the step's recovery counters (dropped groups, verifier retries) into
+  registry events, so no recovery is silent;
+- after ``faults.nan_rollback_after`` NaN/Inf-skipped steps in a row, rolls the
+  session back to the newest committed checkpoint, lowers the learning rate by
+  ``faults.rollback_lr_factor`` and requires the next step (the canary) to be
+  finite; a failed canary or too many rollbacks stop the run with the runbook
+  to open;
+- evaluates the runbooks' triggers over a sliding window after every step
+  (live alerts: shown in the progress display, recorded as ``alert`` events);
+- runs a watchdog thread when ``faults.watchdog_timeout_s`` > 0: a role that
+  makes no progress for that long is reported by role and phase with a
+  faulthandler stack dump of every thread (``hang`` event) and the run stops
+  with ``HangError`` instead of hanging.
+
+What this is not: the loop (rlctl.engine.loop), the fault kinds (plugins), or
+the recoveries that live in the roles themselves (OOM in the learner, verifier
+retries and group drops in rlctl.engine.scoring / batching).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from rlctl.contracts.errors import RlctlError, RoleError
+from rlctl.engine.faults import FaultContext, drain_recoveries
+from rlctl.ops.triggers import History
+
+ALERT_WINDOW = 40  # steps of history the live alerts look at
+
+
+class NanRollback(Exception):
+    """Raised from the step observer: K NaN steps in a row, roll back before the next step."""
+
+
+class HangError(RoleError):
+    """A role made no progress within faults.watchdog_timeout_s."""
+
+
+class RunGuard:
+    """See the module docstring. ``run(loop, start_step)`` runs the loop with rollback handling."""
+
+    def __init__(self, session: Any, run_id: str, directory: Path, registry: Any, plugins: Any,
+                 warn: Callable[[str], None], start_step: int = 0) -> None:
+        self.session, self.run_id, self.directory = session, run_id, directory
+        self.registry, self.plugins, self.warn = registry, plugins, warn
+        self.config = session.config.faults
+        self.step = start_step  # the step running now (the fault window is checked against it)
+        self.nan_streak = 0
+        self.last_nan_count: float | None = None
+        self.rollbacks = 0
+        self.canary = False
+        self._disarm: list[Callable[[], None]] = []
+        self._num_armed = 0
+        self.alerts = _Alerts(registry, run_id, warn, start_step) if self.config.alerts else None
+        self.watchdog: Watchdog | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self, checkpointer: Any = None) -> "RunGuard":
+        self._arm_faults()
+        if self.config.watchdog_timeout_s > 0:
+            self.watchdog = Watchdog(self.config.watchdog_timeout_s, self._on_hang)
+            self.watchdog.watch(self.session, checkpointer)
+        return self
+
+    def close(self) -> None:
+        for disarm in self._disarm:
+            disarm()
+        self._disarm.clear()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self._record_recoveries()
+
+    def _arm_faults(self) -> None:
+        fired: dict[int, set[int]] = {}
+        if self.config.inject:
+            for event in self.registry.events(self.run_id):
+                data = event.data or {}
+                if event.kind == "fault_injected" and isinstance(data.get("fault_index"), int):
+                    fired.setdefault(data["fault_index"], set()).add(int(data.get("step", -1)))
+        for i, spec in enumerate(self.config.inject):
+            self._arm_one(i, spec, fired.get(i), f"faults.inject.{i}.options")
+        self._num_armed = len(self.config.inject)
+
+    def _arm_one(self, index: int, spec: Any, fired: set[int] | None, where: str) -> None:
+        fault = self.plugins.build("fault", spec.kind, spec.options, where)
+        ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=_count(spec), rate=spec.rate,
+                           target=spec.target, options=spec.options, seed=self.session.config.run.seed,
+                           step=lambda: self.step, record=self._recorder(index), fired_steps=fired)
+        self._disarm.append(fault.arm(ctx))
+
+    def _arm_live(self) -> None:
+        """Arm faults ``rlctl inject --run RUN`` dropped into ``<run_dir>/inject/`` while this run is training."""
+        import json
+
+        from rlctl.config.models import FaultSpec
+
+        inbox = self.directory / "inject"
+        if not inbox.is_dir():
+            return
+        for path in sorted(inbox.glob("*.json")):
+            spec = FaultSpec.model_validate(json.loads(path.read_text(encoding="utf-8")))
+            if spec.at_step < self.step:
+                spec = spec.model_copy(update={"at_step": self.step})
+            index = self._num_armed
+            self._num_armed += 1
+            self._arm_one(index, spec, None, f"{path}: options")
+            path.rename(path.with_suffix(".armed"))
+            self.registry.add_event(self.run_id, "fault_armed", f"armed {spec.kind} from step {spec.at_step} "
+                                    f"(rlctl inject on the running run)", {"step": self.step, "fault_index": index,
+                                                                           **spec.model_dump(mode="json")})
+
+    def _recorder(self, index: int) -> Callable[[str, dict[str, Any]], None]:
+        def record(message: str, data: dict[str, Any]) -> None:
+            self.registry.add_event(self.run_id, "fault_injected", message, {"fault_index": index, **data})
+        return record
+
+    # -- after each step -----------------------------------------------------
+
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record recoveries, check the NaN streak and the canary, evaluate alerts; may raise NanRollback."""
+        self.step = step + 1
+        if self.watchdog is not None:
+            self.watchdog.beat("step end")
+        self._arm_live()
+        events = self._record_recoveries(step, metrics)
+        if self.alerts is not None:
+            self.alerts.observe(step, metrics, events)
+        self._check_nan(step, metrics)
+
+    def _record_recoveries(self, step: int | None = None, metrics: Mapping[str, float] | None = None) -> list[Any]:
+        recorded = []
+        for kind, message, data in drain_recoveries():
+            data = {"step": step, **data} if step is not None else data
+            self.registry.add_event(self.run_id, kind, message, data)
+            recorded.append(_Event(kind, message, data))
+        m = metrics or {}
+        if m.get("groups_dropped", 0) > 0:
+            message = (f"step {step}: dropped {m['groups_dropped']:.0f} whole group(s) with a sample the grader could "
+                       f"not score after {self.config.verifier_retries} retries (not scored 0, not trained)")
+            data = {"step": step, "groups_dropped": int(m["groups_dropped"]),
+                    "verifier_retries": int(m.get("verifier_retries", 0))}
+            self.registry.add_event(self.run_id, "groups_dropped", message, data)
+            recorded.append(_Event("groups_dropped", message, data))
+        if m.get("verifier_retries", 0) > 0:
+            message = (f"step {step}: {m['verifier_retries']:.0f} grader retries with a fresh grader, "
+                       f"{m.get('verifier_recovered', 0):.0f} sample(s) recovered")
+            data = {"step": step, "retries": int(m["verifier_retries"]),
+                    "recovered": int(m.get("verifier_recovered", 0))}
+            self.registry.add_event(self.run_id, "verifier_retry", message, data)
+            recorded.append(_Event("verifier_retry", message, data))
+        return recorded
+
+    def _check_nan(self, step: int, metrics: Mapping[str, float]) -> None:
+        count = metrics.get("nan_inf_skipped_steps")
+        if count is None:
+            return
+        skipped = self.last_nan_count is not None and count > self.last_nan_count
+        self.last_nan_count = count
+        if self.canary:
+            self.canary = False
+            if skipped:
+                raise RoleError(f"the canary step {step} after a NaN rollback was NaN/Inf again",
+                                "the run cannot recover by itself; see `rlctl runbook show reward-drop-or-nan`")
+            self.registry.add_event(self.run_id, "canary_passed", f"canary step {step} after the rollback is finite",
+                                    {"step": step})
+        self.nan_streak = self.nan_streak + 1 if skipped else 0
+        if self.nan_streak >= self.config.nan_rollback_after:
+            raise NanRollback(step, step + 1 - self.nan_streak)
+
+    # -- NaN rollback ------------------------------------------------------
+
+    def run(self, loop: Callable[[int], dict[str, float]], start_step: int, checkpointer: Any = None
+            ) -> dict[str, float]:
+        """Run ``loop(first_step)``; on NanRollback restore the newest committed checkpoint and continue."""
+        first = start_step
+        while True:
+            try:
+                return loop(first)
+            except NanRollback as stop:
+                first = self._roll_back(int(stop.args[0]), int(stop.args[1]), checkpointer)
+
+    def _last_good(self, before: int) -> tuple[str, Any, list[str]]:
+        """The newest committed checkpoint taken before step ``before`` (the streak's first NaN step) that loads.
+
+        Checkpoints taken during the streak hold skipped steps; they and any newer
+        ones are moved to ``checkpoints/rolled-back/`` (their registry rows dropped),
+        so the re-run steps can commit their own.
+        """
+        import os
+
+        from rlctl.contracts.errors import CheckpointError
+        from rlctl.engine.checkpoint import DiskCheckpointStore, load_checkpoint
+
+        store = DiskCheckpointStore(self.directory / "checkpoints")
+        chosen, skipped = None, []
+        for path, manifest in reversed(store.list_committed()):
+            if manifest.step <= before:
+                try:
+                    chosen = (path, load_checkpoint(path))
+                    break
+                except CheckpointError as err:
+                    skipped.append(f"{Path(path).name}: {err.message}")
+            aside = store.root / "rolled-back" / f"{Path(path).name}.{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.parent.mkdir(exist_ok=True)
+            os.rename(path, aside)
+            self.registry.delete_checkpoint(self.run_id, manifest.step)
+            skipped.append(f"{Path(path).name} set aside in {aside}")
+        if chosen is None:
+            raise RoleError(f"{self.config.nan_rollback_after} NaN/Inf steps in a row and no committed checkpoint "
+                            f"from before step {before} to roll back to",
+                            "set checkpoint.every_steps; see `rlctl runbook show reward-drop-or-nan`")
+        return chosen[0], chosen[1], skipped
+
+    def _roll_back(self, step: int, streak_start: int, checkpointer: Any) -> int:
+        from rlctl.contracts.roles import LrScalable
+        from rlctl.engine.snapshot import restore
+
+        hint = "see `rlctl runbook show reward-drop-or-nan`"
+        k = self.config.nan_rollback_after
+        if self.rollbacks >= self.config.max_rollbacks:
+            raise RoleError(f"{k} NaN/Inf steps in a row again at step {step} after {self.rollbacks} rollback(s) "
+                            f"(faults.max_rollbacks={self.config.max_rollbacks})", hint)
+        if checkpointer is not None:
+            checkpointer.close()
+        path, state, skipped = self._last_good(streak_start)
+        restore(self.session, state, self.session.config.checkpoint.shadow_tolerance)
+        learner = self.session.learner
+        new_lr = learner.scale_lr(self.config.rollback_lr_factor) if isinstance(learner, LrScalable) else None
+        self.registry.delete_metrics_from(self.run_id, state.step)
+        self.rollbacks += 1
+        self.nan_streak = 0
+        self.last_nan_count = float(state.learner.counters.get("nan_skips", 0))
+        self.canary = True
+        self.step = state.step
+        self.registry.add_event(self.run_id, "nan_rollback", (
+            f"{k} NaN/Inf steps in a row (last step {step}): rolled back to {Path(path).name}, learning rate x"
+            f"{self.config.rollback_lr_factor:g}" + (f" = {new_lr:.3g}" if new_lr is not None else "")
+            + "; the next step is the canary"), {"step": step, "to_step": state.step, "checkpoint": path,
+                                                 "lr": new_lr, "rollbacks": self.rollbacks, "skipped": skipped})
+        self.warn(f"NaN rollback #{self.rollbacks}: back to step {state.step} with a lower learning rate")
+        return state.step
+
+    # -- hang ----------------------------------------------------------------
+
+    def _on_hang(self, phase: str, idle_s: float, stack: str) -> str:
+        dump = self.directory / f"hang-step{self.step}-{int(time.time())}.txt"
+        try:
+            dump.write_text(stack, encoding="utf-8")
+        except OSError:
+            dump = None  # type: ignore[assignment]
+        role = _PHASE_ROLE.get(phase, "driver")
+        message = (f"no progress for {idle_s:.0f}s: role {role}, rank 0, phase {phase}, step {self.step}"
+                   + (f"; stack dump in {dump}" if dump else ""))
+        try:
+            self.registry.add_event(self.run_id, "hang", message, {
+                "step": self.step, "role": role, "rank": 0, "phase": phase, "idle_s": idle_s,
+                "stack": stack[-6000:], "dump": str(dump) if dump else None})
+        except RlctlError:
+            pass  # the registry may be what hangs; the error below still names the phase
+        return message
+
+
+_PHASE_ROLE = {"generate": "rollout", "score": "reward", "train": "learner", "publish": "rollout",
+               "save": "checkpoint", "step end": "driver"}
+
+
+def _count(spec: Any) -> int | None:
+    """Steps a fault spans: verifier faults and stragglers by default the whole run, others one step."""
+    if "count" in spec.model_fields_set:
+        return spec.count
+    return None if spec.kind in ("verifier-timeout", "verifier-error") else spec.count
+
+
+class _Event:
+    def __init__(self, kind: str, message: str, data: Mapping[str, Any]) -> None:
+        self.kind, self.message, self.data = kind, message, data
+
+
+class _Alerts:
+    """Live alerts: the runbook triggers over a sliding window, reported once when they start firing."""
+
+    def __init__(self, registry: Any, run_id: str, warn: Callable[[str], None], start_step: int) -> None:
+        from rlctl.ops.runbooks import load_runbooks
+
+        self.registry, self.run_id, self.warn = registry, run_id, warn
+        self.books = load_runbooks()
+        self.series: dict[str, list[tuple[int, float]]] = {}
+        self.events: list[Any] = []
+        self.active: set[tuple[str, str]] = set()
+        if start_step:
+            for p in registry.metrics(run_id):
+                if p.step < start_step:
+                    self.series.setdefault(p.name, []).append((p.step, p.value))
+
+    def observe(self, step: int, metrics: Mapping[str, float], events: list[Any]) -> None:
+        from rlctl.ops.triggers import evaluate
+
+        for name, value in metrics.items():
+            kept = [sv for sv in self.series.setdefault(name, []) if sv[0] < step][-ALERT_WINDOW:]
+            self.series[name] = kept + [(step, float(value))]
+        self.events = (self.events + [e for e in events])[-ALERT_WINDOW:]
+        history = History(metrics=self.series, events=[e for e in self.events if (e.data or {}).get("step") == step])
+        now = set()
+        for book in self.books:
+            for trigger in book.triggers:
+                firing = evaluate(trigger, history)
+                if firing is None or firing.last_step != step:
+                    continue
+                key = (book.name, trigger.id)
+                now.add(key)
+                if key in self.active:
+                    continue
+                message = f"[{trigger.severity}] {trigger.summary} ({firing.detail}); runbook {book.name}"
+                self.warn(f"ALERT {message}")
+                self.registry.add_event(self.run_id, "alert", message, {
+                    "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})
+        self.active = now
+
+
+class Watchdog:
+    """Reports a role that makes no progress within ``timeout_s`` (by phase), then stops the run.
+
+    Progress is a beat at every role call (generate, score, train, publish,
+    save) and at every step end. On a timeout the watchdog thread dumps every
+    thread's stack (faulthandler), calls ``on_hang(phase, idle_s, stack)`` and
+    raises HangError in the main thread (through a signal, so a blocking call
+    there is interrupted too).
+    """
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[str, float, str], str]) -> None:
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang
+        self.phase = "start"
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._restore: list[Callable[[], None]] = []
+        self._message = ""
+        self._thread = threading.Thread(target=self._watch, name="rlctl-watchdog", daemon=True)
+        self._main = threading.main_thread().ident
+        self._previous_handler: Any = None
+
+    def beat(self, phase: str) -> None:
+        self.phase = phase
+        self.last = time.monotonic()
+
+    def watch(self, session: Any, checkpointer: Any = None) -> None:
+        import signal
+
+        self._wrap(session.rollout, "generate", "generate")
+        self._wrap(session.reward, "score", "score")
+        self._wrap(session.learner, "train_step", "train")
+        self._wrap(session.rollout, "update_weights", "publish")
+        if checkpointer is not None:
+            self._wrap(checkpointer, "after_step", "save")
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main)
+        self.beat("start")
+        self._thread.start()
+
+    def _wrap(self, obj: Any, method: str, phase: str) -> None:
+        original = getattr(obj, method)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.beat(phase)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.beat(phase)
+
+        setattr(obj, method, wrapped)
+        self._restore.append(lambda: obj.__dict__.pop(method, None))
+
+    def _watch(self) -> None:
+        import faulthandler
+        import signal
+        import tempfile
+
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self.last
+            if idle < self.timeout_s:
+                continue
+            with tempfile.TemporaryFile("w+") as buf:
+                faulthandler.dump_traceback(file=buf, all_threads=True)
+                buf.seek(0)
+                stack = buf.read()
+            self._message = self.on_hang(self.phase, idle, stack)
+            if self._main is not None and self._previous_handler is not None:
+                signal.pthread_kill(self._main, signal.SIGUSR1)
+            return
+
+    def _raise_in_main(self, signum: int, frame: Any) -> None:
+        raise HangError(self._message or "the watchdog found no progress",
+                        "see `rlctl runbook show hang`; the stack dump is in the hang event (`rlctl runs show RUN`)")
+
+    def stop(self) -> None:
+        import signal
+
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for undo in self._restore:
+            undo()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGUSR1, self._previous_handler)
+            self._previous_handler = None

@@ -1,0 +1,216 @@
+"""Predict staleness and waiting before an overlapped run: a small discrete-event simulation.
+
+What this is: ``predict()``. It replays the overlapped loop's own rules
+(rlctl.engine.async_loop, rlctl.engine.queue) on a virtual clock: W rollout
+workers claim ``chunk`` prompts at a time through the queue's admission gate
+(capacity, and a draw key at most ``max_ahead`` steps ahead of the learner's
+version), pick up the newest weights at each call, and take as long as the
+longest of the chunk's G x chunk responses (batched decoding) times the
+per-token decode time, plus a fixed per-call cost; the learner takes B groups
+(in batch order for sync / one_step_off, oldest-first with the Δv bound for
+async, dropping stale ones) and trains for ``learn_s``. Response lengths are
+drawn from the workload's distribution (empirical lengths from a smoke run,
+or a heavy-tailed one), so the tail of the length distribution drives both
+the stragglers and the staleness.
+
+Output: mean / P95 Δv of trained groups, the drop rate, each side's waiting
+share, and steps per second. ``rlctl dryrun`` prints it for overlapped
+configs and bench/async_vs_sync.py prints it next to the measured values.
+
+What this is not: a model of the GIL, of CPU contention between threads on
+shared cores, or of weight-transfer cost beyond ``sync_s``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimParams:
+    mode: str  # sync | one_step_off | async
+    max_staleness: int
+    prompts_per_step: int  # B
+    group_size: int  # G
+    workers: int
+    chunk: int  # prompts per worker call
+    capacity: int  # groups buffered + in flight
+    learn_s: float  # learner compute per step (incl. the learner's logprob pass)
+    token_s: float  # decode time per generated position of one batched call
+    call_s: float = 0.0  # fixed cost per worker call (prefill, scoring, queue append)
+    sync_s: float = 0.0  # weight publish per step (learner side)
+    steps: int = 200
+
+    @property
+    def max_ahead(self) -> int:
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    staleness_mean: float
+    staleness_p95: float
+    drop_rate: float
+    learner_wait_share: float
+    rollout_wait_share: float
+    steps_per_s: float
+    utilisation: float  # rollout demand / learner capacity: > 1 means rollout-bound
+
+
+def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: int = 0) -> Prediction:
+    """Simulate ``params.steps`` learner steps; ``lengths(rng)`` draws one response length in tokens."""
+    p = params
+    rng = random.Random(seed)
+    b, ahead = p.prompts_per_step, p.max_ahead
+    now = 0.0
+    events: list[tuple[float, int, str, int]] = []  # (time, order, kind, worker)
+    order = 0
+    version = step = next_key = 0
+    pending: dict[int, int] = {}  # key -> policy version of its group
+    in_flight: dict[int, list[int]] = {}  # worker -> keys
+    idle_since: dict[int, float] = {w: 0.0 for w in range(p.workers)}
+    rollout_wait = learner_wait = 0.0
+    learner_busy_until: float | None = None
+    learner_idle_since = 0.0
+    trained: list[int] = []
+    dropped = 0
+    demand = []
+
+    def admissible(key: int) -> bool:
+        occupancy = len(pending) + sum(len(k) for k in in_flight.values())
+        return occupancy < p.capacity and key // b <= version + ahead
+
+    def start_worker(w: int) -> None:
+        nonlocal next_key, order, rollout_wait
+        keys = []
+        while len(keys) < p.chunk and admissible(next_key):
+            keys.append(next_key)
+            next_key += 1
+        if not keys:
+            return
+        rollout_wait += now - idle_since.pop(w)
+        longest = max(lengths(rng) for _ in range(len(keys) * p.group_size))
+        duration = p.call_s + p.token_s * longest
+        demand.append(duration / len(keys))
+        in_flight[w] = keys
+        order += 1
+        heapq.heappush(events, (now + duration, order, "gen", w * 1_000_000 + version))
+
+    def try_learn() -> None:
+        nonlocal learner_busy_until, learner_wait, order, dropped
+        if learner_busy_until is not None or step >= p.steps:
+            return
+        if p.mode == "async":
+            fresh = sorted(k for k, v in pending.items() if version - v <= p.max_staleness)
+            for k in [k for k, v in pending.items() if version - v > p.max_staleness]:
+                pending.pop(k)
+                dropped += 1
+            if len(fresh) < b:
+                return
+            batch = fresh[:b]
+        else:
+            batch = [k for k in range(step * b, (step + 1) * b)]
+            if any(k not in pending for k in batch):
+                return
+        learner_wait += now - learner_idle_since
+        for k in batch:
+            trained.append(version - pending.pop(k))
+        learner_busy_until = now + p.learn_s + p.sync_s
+        order += 1
+        heapq.heappush(events, (learner_busy_until, order, "learn", 0))
+
+    for w in range(p.workers):
+        start_worker(w)
+    while step < p.steps and events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "gen":
+            w, v = divmod(payload, 1_000_000)
+            for k in in_flight.pop(w):
+                pending[k] = v
+            idle_since[w] = now
+        else:
+            step += 1
+            version += 1
+            learner_busy_until = None
+            learner_idle_since = now
+        try_learn()
+        for w in range(p.workers):
+            if w not in in_flight:
+                start_worker(w)
+        try_learn()
+    total = max(now, 1e-9)
+    ordered = sorted(trained)
+    per_group = sum(demand) / len(demand) if demand else 0.0
+    return Prediction(
+        staleness_mean=sum(trained) / len(trained) if trained else 0.0,
+        staleness_p95=float(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]) if ordered else 0.0,
+        drop_rate=dropped / max(1, dropped + len(trained)),
+        learner_wait_share=learner_wait / total,
+        rollout_wait_share=rollout_wait / (total * p.workers),
+        steps_per_s=step / total,
+        utilisation=(per_group * b / p.workers) / max(p.learn_s + p.sync_s, 1e-9),
+    )
+
+
+def empirical(lengths: Sequence[int]) -> Callable[[random.Random], int]:
+    """Draw response lengths from observed ones (e.g. a smoke run's)."""
+    values = list(lengths) or [1]
+    return lambda rng: rng.choice(values)
+
+
+def pareto(alpha: float, minimum: int, maximum: int) -> Callable[[random.Random], int]:
+    """Heavy-tailed lengths: P(L > x) = (minimum / x)^alpha, cut at ``maximum`` (the max_tokens budget)."""
+    return lambda rng: min(maximum, int(math.ceil(minimum * rng.paretovariate(alpha))))
+
+
+def from_config(config: object, *, learn_s: float, token_s: float, call_s: float = 0.0, sync_s: float = 0.0,
+                steps: int = 200) -> SimParams:
+    """SimParams for a run config and measured per-step / per-token times."""
+    c = config
+    b = c.algo.prompts_per_step
+    workers = c.cluster.num_rollout_workers
+    ahead = {"sync": 0, "one_step_off": 1}.get(c.mode, c.staleness.max_staleness)
+    return SimParams(mode=c.mode, max_staleness=c.staleness.max_staleness, prompts_per_step=b,
+                     group_size=c.algo.group_size, workers=workers,
+                     chunk=c.staleness.rollout_chunk or max(1, -(-b // workers)),
+                     capacity=c.staleness.queue_capacity or (ahead + 1) * b, learn_s=learn_s, token_s=token_s,
+                     call_s=call_s, sync_s=sync_s, steps=steps)
+
+
+@dataclass(frozen=True, slots=True)
+class RunPrediction:
+    """A prediction for a run config plus the inputs it was made from (printed next to it)."""
+
+    prediction: Prediction
+    params: SimParams
+    lengths: str  # how response lengths were drawn
+
+
+def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int = 200) -> RunPrediction:
+    """Predict from a sync smoke step's timings (T_r for one whole batch, T_l, T_s) and response lengths.
+
+    Per-token time is T_r / longest response (batched decoding runs as long as
+    its longest row), per worker call; the learner's step adds the extra
+    log-prob pass of the overlapped loop (about a third of a train step).
+    Lengths follow the rollout's Pareto tail option when set, else a spread
+    between the smoke step's mean and max response length.
+    """
+    m = smoke_metrics
+    longest = max(1.0, m.get("response_length_max", 1.0))
+    mean = max(1.0, m.get("response_length_mean", longest))
+    token_s = m.get("T_r", 0.0) / longest
+    options = getattr(config.rollout, "options", {}) or {}
+    if options.get("length_tail_alpha"):
+        alpha, low = float(options["length_tail_alpha"]), int(options.get("length_tail_min", 4))
+        draw, how = pareto(alpha, low, config.rollout.max_tokens), f"Pareto(alpha={alpha:g}, min={low})"
+    else:
+        lo, hi = int(mean), int(longest)
+        draw = (lambda rng: rng.randint(lo, hi)) if hi > lo else (lambda rng: lo)
+        how = f"uniform {lo}..{hi} tokens (smoke step mean..max)"
+    params = from_config(config, learn_s=m.get("T_l", 0.0) * 4 / 3, token_s=token_s, sync_s=m.get("T_s", 0.0),
+                         steps=steps)
+    return RunPrediction(prediction=predict(params, draw), params=params, lengths=how)

@@ -1,0 +1,203 @@
+"""The overlapped loop in-process (cluster.backend=local): modes, staleness bounds, worker loss, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_OVERRIDES
+
+OVERLAP_METRICS = ("staleness_p50", "staleness_p95", "staleness_p99", "dlag_p50", "dlag_p95", "dlag_p99",
+                   "queue_depth", "queue_age_s", "queue_drops_stale", "queue_drops_ttl", "queue_drops_orphaned",
+                   "esr", "generated_tokens_per_s", "effective_tokens_per_s", "rollout_latency_p50_s",
+                   "rollout_latency_p95_s", "rollout_latency_p99_s", "learner_wait_s", "rollout_wait_s",
+                   "staleness_violations", "reward_mean", "loss")
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict]] = []
+
+    def write(self, step, metrics) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        pass
+
+
+def session_for(plugins, home: Path, *overrides: str):
+    from rlctl.config.load import load_config
+    from rlctl.engine.session import build_session
+
+    config = load_config(None, [*TINY_OVERRIDES, "eval.at_end=false", *overrides])
+    return build_session(config, plugins, cache_root=home / "cache")
+
+
+def run(session, plugins, directory: Path, **kw):
+    from rlctl.dist import run_overlapped
+
+    sink = ListSink()
+    run_overlapped(session, plugins, directory, [sink], **kw)
+    return sink.rows
+
+
+@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("async", 1)])
+def test_modes_respect_their_staleness_bound(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode, bound):
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, f"mode={mode}", "train.steps=4", "staleness.max_staleness=1")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2, 3]
+    for _, m in rows:
+        for name in OVERLAP_METRICS:
+            assert name in m, name
+        assert m["staleness_max"] <= bound and m["staleness_violations"] == 0
+        assert m["groups_trained"] == 4
+    assert rows[-1][1]["policy_version"] == 4
+    if mode == "sync":
+        assert all(m["staleness_max"] == 0 and m["queue_drops_stale"] == 0 for _, m in rows)
+    report = audit(tmp_path / "queue")
+    assert report.double_counted == 0 and report.lost == () and report.trained == 16
+
+
+def test_reweight_keeps_stale_groups_with_truncated_weights(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "staleness.max_staleness=0",
+                          "staleness.stale_policy=reweight", "staleness.queue_capacity=12")
+    rows = run(session, plugins, tmp_path)
+    assert sum(m["queue_drops_stale"] for _, m in rows) == 0
+    assert sum(m["reweighted_groups"] for _, m in rows) == sum(m["staleness_violations"] for _, m in rows) / 4
+
+
+class FlakyWorker:
+    """A real local worker that loses the given calls (the far side of a worker crash: the process dying)."""
+
+    def __init__(self, inner, lose_calls) -> None:
+        self.inner, self.lose, self.calls, self.restarts = inner, set(lose_calls), 0, 0
+        self.name = inner.name
+
+    def generate(self, requests):
+        from rlctl.engine.async_loop import WorkerLost
+
+        self.calls += 1
+        if self.calls in self.lose:
+            self.inner.generate(requests)  # it worked on them, then died before answering
+            raise WorkerLost("simulated crash")
+        return self.inner.generate(requests)
+
+    def load_weights(self, update):
+        self.loaded = update.version
+        self.inner.load_weights(update)
+
+    def restart(self):
+        self.restarts += 1
+        self.inner.restart()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_lost_worker_prompts_are_regenerated_with_current_weights(plugins, _rlctl_home, tmp_path, tiny_policy_dir,
+                                                                   monkeypatch):
+    from rlctl.dist import local
+    from rlctl.engine.async_loop import audit
+
+    flaky: list[FlakyWorker] = []
+    original = local.LocalPlacement.workers
+
+    def workers(self):
+        made = [FlakyWorker(w, {2, 3}) for w in original(self)]
+        flaky.extend(made)
+        return made
+
+    monkeypatch.setattr(local.LocalPlacement, "workers", workers)
+    session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3")
+    rows = run(session, plugins, tmp_path)
+    assert sum(w.restarts for w in flaky) >= 2
+    assert rows[-1][1]["rollout_worker_failures"] >= 2 and rows[-1][1]["requeued_prompts"] >= 2
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 16
+
+
+def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
+    from rlctl.contracts.errors import RoleError
+    from rlctl.dist import local
+
+    original = local.LocalPlacement.workers
+    monkeypatch.setattr(local.LocalPlacement, "workers",
+                        lambda self: [FlakyWorker(w, range(1, 100)) for w in original(self)])
+    session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=2", "cluster.max_restarts=1")
+    with pytest.raises(RoleError, match="died 2 times"):
+        run(session, plugins, tmp_path)
+
+
+def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    """Crash after step 4 of 6 with the newest checkpoint at 4 completed steps: the resumed run trains every group exactly once."""
+    from rlctl.engine.async_loop import audit
+    from rlctl.engine.checkpoint import DiskCheckpointStore
+    from rlctl.engine.snapshot import Provenance, StepCheckpointer, restore
+
+    overrides = ("mode=async", "train.steps=6", "staleness.max_staleness=2", "staleness.queue_capacity=12")
+    session = session_for(plugins, _rlctl_home, *overrides)
+    store = DiskCheckpointStore(tmp_path / "checkpoints", keep_last=3, async_save=False)
+    prov = Provenance(run_id="r", config_hash="h", code_version="c")
+    ckpt = StepCheckpointer(session, store, prov, every_steps=2, total_steps=6)
+
+    class Crash(Exception):
+        pass
+
+    def observer(step, metrics):
+        if step == 4:  # step 4 trained and was logged, but its checkpoint (at 6) never came
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(session, plugins, tmp_path, observer=observer, checkpoint=ckpt, store=store)
+    path, state, _ = store.load_latest()
+    assert state.step == 4 and state.queue is not None and state.queue["watermark"] >= 0
+    assert json.loads((Path(path) / "state.json").read_text())["queue"] == state.queue
+
+    again = session_for(plugins, _rlctl_home, *overrides)
+    restore(again, state, 1e-5)
+    rows = run(again, plugins, tmp_path, start_step=state.step, store=store)
+    assert [s for s, _ in rows] == [4, 5]
+    report = audit(tmp_path / "queue")
+    assert report.steps == 6 and report.trained == 24 and report.double_counted == 0 and report.lost == ()
+
+
+def test_config_rejects_unknown_mode_and_backend():
+    from rlctl.config.load import load_config
+    from rlctl.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(None, ["mode=fast"])
+    with pytest.raises(ConfigError, match="backend"):
+        load_config(None, ["cluster.backend=slurm"])
+
+
+@pytest.mark.slow
+def test_cli_async_train_sigkill_then_resume_trains_every_group_once(_rlctl_home, tmp_path, tiny_policy_dir):
+    """``rlctl train mode=async`` SIGKILLed mid-run, then ``rlctl resume``: the committed history is exact."""
+    import signal
+
+    from rlctl.engine.async_loop import audit
+    from tests.integration.test_cli import rlctl
+    from tests.integration.test_resume import run_id, spawn, wait_for_step
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    run_dir = tmp_path / "run"
+    overrides = ["mode=async", "staleness.max_staleness=2", "checkpoint.every_steps=3", "train.steps=9",
+                 "eval.at_end=false", "train.deterministic=false"]
+    proc = spawn(home, run_dir, *overrides)
+    wait_for_step(proc, run_dir, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    out = json.loads(rlctl("resume", run_id(run_dir), "--json", home=home, check=True).stdout)
+    assert out["run"]["status"] == "succeeded"
+    report = audit(run_dir / "queue")
+    assert report.steps == 9 and report.double_counted == 0 and report.lost == (), report
+    assert report.trained == 9 * 4 and report.max_staleness <= 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(9))

@@ -1,0 +1,161 @@
+"""Each injected fault ends in its documented recovery, proven by registry events and counters.
+
+In-process tiny runs (deterministic CPU mode) through ``rlctl.ops.train.train``:
+OOM (classified, micro-batch halved, same final parameters as a fault-free
+run within float tolerance), verifier timeouts (retried with a fresh grader,
+whole groups dropped and counted, never scored 0), NaN (skipped without a
+parameter change; K in a row roll back to the last committed checkpoint with a
+lower LR and a canary step), and the hang watchdog (role and phase reported
+with a stack dump, the run stops instead of hanging). Process-killing faults
+(learner crash under --supervise, bad checkpoint) are in test_faults_process.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_OVERRIDES
+
+BASE = [*TINY_OVERRIDES, "train.deterministic=true", "eval.at_end=false", "train.metric_sinks=[]",
+        "checkpoint.every_steps=0", "train.optim.lr=1e-3"]
+
+
+def _train(home: Path, tmp: Path, name: str, *overrides: str, expect_error: bool = False):
+    from rlctl.config.load import load_config
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.train import train
+    from rlctl.registry.store import Registry
+
+    cfg = load_config(None, [*BASE, *overrides])
+    registry = Registry.open(f"sqlite:///{tmp / 'registry.db'}")
+    run_dir = tmp / name
+    try:
+        result = train(cfg, registry=registry, plugins=load_plugins(), home=home, run_dir=run_dir)
+    except Exception as err:
+        if not expect_error:
+            raise
+        result = err
+    return result, registry, run_dir
+
+
+def _run_id(run_dir: Path) -> str:
+    import json
+
+    return json.loads((run_dir / "run.json").read_text())["run_id"]
+
+
+def _events(registry, run_dir: Path, kind: str):
+    return [e for e in registry.events(_run_id(run_dir)) if e.kind == kind]
+
+
+def _params(run_dir: Path):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "policy" / "final" / "model.safetensors")
+
+
+def test_oom_is_classified_micro_batch_halved_and_math_unchanged(_rlctl_home, tmp_path):
+    base, _, base_dir = _train(_rlctl_home, tmp_path, "base", "algo.micro_batch_size=16")
+    hit, reg, hit_dir = _train(_rlctl_home, tmp_path, "oom", "algo.micro_batch_size=16",
+                               "faults.inject=[{kind: oom, at_step: 1}]")
+    [event] = _events(reg, hit_dir, "oom_recovered")
+    assert event.data["classification"] in ("activations", "parameters", "optimizer", "gradients")
+    assert (event.data["micro_batch_from"], event.data["micro_batch_to"], event.data["step"]) == (16, 8, 1)
+    assert len(_events(reg, hit_dir, "fault_injected")) == 1
+    metrics = {(p.step, p.name): p.value for p in reg.metrics(_run_id(hit_dir), ["oom_recoveries", "micro_batch_size"])}
+    assert metrics[(0, "micro_batch_size")] == 16 and metrics[(2, "micro_batch_size")] == 8
+    assert metrics[(2, "oom_recoveries")] == 1
+    a, b = _params(base_dir), _params(hit_dir)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-5, f"the retried step changed the math: max |diff| {worst}"  # summation order only
+
+
+def test_oom_at_micro_batch_one_stops_the_run_with_the_runbook(_rlctl_home, tmp_path):
+    from rlctl.contracts.errors import RoleError
+
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "oom1", "algo.micro_batch_size=1",
+                               "faults.inject=[{kind: oom, at_step: 0, options: {max_rows: 0}}]", expect_error=True)
+    assert isinstance(err, RoleError) and "runbook show oom" in str(err)
+    assert reg.get_run(_run_id(run_dir)).status == "failed"
+
+
+def test_verifier_timeouts_are_retried_then_whole_groups_dropped_and_counted(_rlctl_home, tmp_path):
+    result, reg, run_dir = _train(_rlctl_home, tmp_path, "vt", "faults.verifier_retries=1", "train.steps=3",
+                                  "faults.inject=[{kind: verifier-timeout, rate: 0.3}]")
+    run_id = _run_id(run_dir)
+    assert result.run.status == "succeeded"
+    retries = _events(reg, run_dir, "verifier_retry")
+    dropped = _events(reg, run_dir, "groups_dropped")
+    assert retries and sum(e.data["recovered"] for e in retries) > 0
+    m = {(p.step, p.name): p.value for p in reg.metrics(run_id)}
+    for step in range(3):
+        assert m[(step, "verifier_fail_frac")] > 0
+        g = m[(step, "groups_dropped")]
+        assert m[(step, "reward_error_count")] == g * 4  # only whole groups are missing, none scored 0
+        assert m[(step, "esr")] <= 1 - g / 4 + 1e-9
+    assert sum(m[(s, "groups_dropped")] for s in range(3)) == sum(e.data["groups_dropped"] for e in dropped)
+    assert [e for e in reg.events(run_id) if e.kind == "alert" and e.data["runbook"] == "verifier-timeouts"]
+
+
+def test_nan_steps_are_skipped_then_rolled_back_with_lower_lr_and_a_canary(_rlctl_home, tmp_path):
+    result, reg, run_dir = _train(_rlctl_home, tmp_path, "nan", "train.steps=6", "checkpoint.every_steps=2",
+                                  "checkpoint.async_save=false", "faults.nan_rollback_after=2",
+                                  "faults.inject=[{kind: nan, at_step: 2, count: 2}]")
+    run_id = _run_id(run_dir)
+    assert result.run.status == "succeeded"
+    [back] = _events(reg, run_dir, "nan_rollback")
+    assert (back.data["step"], back.data["to_step"]) == (3, 2)
+    assert back.data["lr"] == pytest.approx(1e-3 * 0.5)
+    assert _events(reg, run_dir, "canary_passed")[0].data["step"] == 2
+    fired = sorted(e.data["step"] for e in _events(reg, run_dir, "fault_injected"))
+    assert fired == [2, 3]  # a re-run step never re-fires its fault
+    steps = sorted({p.step for p in reg.metrics(run_id, ["reward_mean"])})
+    assert steps == list(range(6))  # the rolled-back steps were re-run, each recorded once
+    lr = {p.step: p.value for p in reg.metrics(run_id, ["lr"])}
+    assert lr[5] == pytest.approx(1e-3 * 0.5)
+
+
+def test_a_skipped_nan_step_leaves_parameters_unchanged(tiny_config, plugins, _rlctl_home):
+    import torch
+
+    from rlctl.engine.batching import build_batch
+    from rlctl.engine.faults import arm
+    from rlctl.engine.session import build_session
+
+    session = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    prompts = session.cursor.next(2)
+    from rlctl.contracts.types import RolloutRequest
+
+    reqs = [RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(session.tokenizer(p.text)["input_ids"]), group_size=4,
+                           sampling=session.sampling, dataset_version="d") for p in prompts]
+    trajs = session.rollout.generate(reqs)
+    batch = build_batch(trajs, [1.0, -1.0] * 4, session.tokenizer.pad_token_id, session.sampling)
+    before = {k: v.clone() for k, v in session.learner.model.state_dict().items()}
+    disarm = arm("learner.loss", lambda loss, **_: loss * float("nan"))
+    try:
+        stats = session.learner.train_step(batch)
+    finally:
+        disarm()
+    assert stats["nan_inf_skipped_steps"] == 1
+    assert all(torch.equal(before[k], v) for k, v in session.learner.model.state_dict().items())
+    session.rollout.close()
+
+
+def test_watchdog_reports_role_phase_and_stack_instead_of_hanging(_rlctl_home, tmp_path):
+    import time
+
+    from rlctl.ops.recovery import HangError
+
+    started = time.monotonic()
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang", "faults.watchdog_timeout_s=1",
+                               "faults.inject=[{kind: slow-rollout, at_step: 1, options: {delay_s: 60}}]",
+                               expect_error=True)
+    assert time.monotonic() - started < 40
+    assert isinstance(err, HangError) and "runbook show hang" in str(err)
+    [hang] = _events(reg, run_dir, "hang")
+    assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("rollout", "generate", 1)
+    assert "slow" in hang.data["stack"] or "sleep" in hang.data["stack"] or "kinds.py" in hang.data["stack"]
+    assert Path(hang.data["dump"]).is_file()
+    assert reg.get_run(_run_id(run_dir)).status == "failed"

@@ -1,0 +1,143 @@
+"""The "code" reward: extraction, test parsing, scoring kinds, fail-closed, the math helper's jail,
+and a code task end to end through the scoring path (scripted completions, in-process and 2 workers)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from rlctl import SamplingConfig, TerminalReason, Trajectory
+from rlctl.engine.reward_mix import MixedReward
+from rlctl.engine.reward_pool import ProcessRewardPool
+from rlctl.engine.scoring import score_all
+from rlctl.hooks.manager import load_plugins
+from rlctl_rewards import sandbox as sandbox_mod
+from rlctl_rewards import symbolic
+from rlctl_rewards.code import CodeOptions, CodeReward, BadTestsError, extract_code, parse_tests
+from rlctl_rewards.sandbox import SandboxUnavailable
+
+TESTS = "from math import gcd\nassert lcm(4, 6) == 12\nassert lcm(3, 5) == 15\ndef test_one():\n    assert lcm(1, 9) == 9\n"
+
+
+def traj(text: str, pid: str = "p1", reason: TerminalReason = TerminalReason.EOS) -> Trajectory:
+    return Trajectory.create(
+        id=f"{pid}/0", prompt_id=pid, group_index=0, dataset_version="d", policy_version=0, tokenizer_hash="t",
+        prompt_tokens=(1,), response_tokens=(2,), response_text=text, action_mask=(1,), behavior_logprobs=(-0.1,),
+        sampling_config=SamplingConfig(max_tokens=4), terminal_reason=reason, rollout_started_at=0.0,
+    )
+
+
+def test_extract_code_prefers_the_last_python_block() -> None:
+    text = "Idea:\n```text\nnot code\n```\n```python\ndef f(): return 1\n```\nthen\n```py\ndef f(): return 2\n```"
+    assert extract_code(text).strip() == "def f(): return 2"
+    assert extract_code("```\nx = 1\n```").strip() == "x = 1"
+    assert extract_code("def f(): return 3") == "def f(): return 3"
+    assert extract_code("```python\ndef f(): return 4").strip() == "def f(): return 4"  # truncated fence
+
+
+def test_parse_tests_splits_setup_value_assert_and_function_tests() -> None:
+    setup, tests = parse_tests(TESTS)
+    assert "from math import gcd" in setup and "def test_one" in setup
+    assert [t.kind for t in tests] == ["value", "value", "call"]
+    assert tests[0].src == "lcm(4, 6)" and tests[0].expected == 12
+    _, listed = parse_tests('["assert f(1) == [1, 2]", "assert f(2) != 3"]')  # MBPP test_list
+    assert [t.kind for t in listed] == ["value", "assert"]
+    with pytest.raises(BadTestsError, match="no tests"):
+        parse_tests("x = 1")
+    with pytest.raises(BadTestsError, match="not valid Python"):
+        parse_tests("assert (")
+
+
+@pytest.fixture(scope="module")
+def reward() -> CodeReward:
+    return CodeReward(CodeOptions(wall_s=5))
+
+
+GOOD = "```python\ndef lcm(a, b):\n    return a * b // gcd(a, b)\n```"
+HALF = "def lcm(a, b):\n    return a * b"
+
+
+def test_scores_fraction_and_all(reward: CodeReward) -> None:
+    good, half = reward.score(traj(GOOD), TESTS), reward.score(traj(HALF), TESTS)
+    assert (good.total, good.error_code) == (1.0, None) and good.log.startswith("passed 3/3")
+    assert half.total == pytest.approx(2 / 3) and half.log.startswith("failed 2/3")
+    strict = CodeReward(CodeOptions(score="all", wall_s=5))
+    assert strict.score(traj(HALF), TESTS).total == 0.0
+    assert strict.version == "code@1.0+all"
+
+
+def test_timeout_fails_or_is_excluded_by_option() -> None:
+    loop = "def lcm(a, b):\n    while True: pass"
+    failed = CodeReward(CodeOptions(wall_s=1.5)).score(traj(loop), TESTS)
+    assert (failed.total, failed.error_code) == (0.0, None) and failed.log.startswith("timeout 0/3")
+    excluded = CodeReward(CodeOptions(wall_s=1.5, on_timeout="exclude")).score(traj(loop), TESTS)
+    assert excluded.error_code == "timeout"
+
+
+def test_bad_reference_is_an_error_not_a_zero(reward: CodeReward) -> None:
+    result = reward.score(traj(GOOD), "no tests here")
+    assert result.error_code == "invalid_reference" and not result.components
+
+
+def test_missing_bwrap_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox_mod.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        CodeReward(CodeOptions())
+
+
+def test_jail_that_cannot_start_is_sandbox_error_never_zero(reward: CodeReward, monkeypatch) -> None:
+    monkeypatch.setattr(reward.sandbox, "bwrap_args", lambda: ["bwrap", "--no-such-flag"])
+    result = reward.score(traj(GOOD), TESTS)
+    assert result.error_code == "sandbox_error" and "never started" in result.log
+
+
+def test_code_task_end_to_end_through_scoring(reward: CodeReward) -> None:
+    """Scripted completions for a 2-prompt x 3-sample group through the mixed reward, in-process and 2 workers."""
+    plugins = load_plugins()
+    refs = {"p1": TESTS, "p2": "assert rev('ab') == 'ba'\nassert rev('') == ''"}
+    completions = [("p1", GOOD), ("p1", HALF), ("p1", "import os; os._exit(0)"),
+                   ("p2", "def rev(s): return s[::-1]"), ("p2", "def rev(s): return s"),
+                   ("p2", "```python\ndef rev(s):\n    return ''.join(reversed(s))\n```")]
+    trajs = [traj(text, pid) for pid, text in completions] + [traj(GOOD, "p1", TerminalReason.ABORT)]
+    mix = MixedReward([("code", 1.0, plugins.build("reward_function", "code", {"wall_s": 5}, "reward.components.0"))])
+    in_proc, _ = score_all(trajs, refs, mix, None)
+    expected = [1.0, 2 / 3, 0.0, 1.0, 0.5, 1.0]
+    assert [t.reward for t in in_proc[:6]] == pytest.approx(expected)
+    assert in_proc[6].reward_error == "aborted"
+    assert all(t.grader_version == "code:code@1.0+fractionx1.0" for t in in_proc[:6])
+    with ProcessRewardPool(partial(MixedReward, [("code", 1.0, reward)]), workers=2, timeout_s=30) as pool:
+        pooled, _ = score_all(trajs, refs, mix, None, pool=pool)
+    assert [t.reward for t in pooled[:6]] == pytest.approx(expected)
+
+
+def test_math_helper_jail_has_no_env_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLCTL_CANARY_MATH", "leakme")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    package_parent = str(Path(symbolic.__file__).resolve().parent.parent)
+    argv = symbolic.helper_command(package_parent)
+    assert argv[0].endswith("bwrap") and "--unshare-all" in argv and "--clearenv" in argv
+    probe = (f"import os, socket\nprint(sorted(os.environ))\ntry:\n    socket.create_connection(('127.0.0.1', {port}),"
+             " timeout=1); print('CONNECTED')\nexcept OSError as e: print('blocked', e)\nimport sympy; print('sympy ok')")
+    out = subprocess.run(argv[:-2] + ["-c", probe], capture_output=True, text=True, timeout=60,
+                         env=symbolic._HELPER_ENV, cwd="/")
+    server.close()
+    assert "leakme" not in out.stdout and "RLCTL_CANARY_MATH" not in out.stdout
+    assert "blocked" in out.stdout and "CONNECTED" not in out.stdout and "sympy ok" in out.stdout, out.stderr
+    assert symbolic.equal_bounded("2*x+x", "3*x", 60) == (True, "sympy")
+
+
+def test_program_and_tests_templates_grade_expression_completions() -> None:
+    """An arithmetic row ("17") graded by executing the completion: the policy's output is the code."""
+    arith = CodeReward(CodeOptions(program="answer = {code}", tests="assert answer == {reference}", wall_s=5))
+    assert arith.score(traj("12+5"), "17").total == 1.0
+    assert arith.score(traj("17"), "17").total == 1.0
+    assert arith.score(traj("-17"), "17").total == 0.0
+    assert arith.score(traj("__import__('os')._exit(0)"), "17").total == 0.0
+    with pytest.raises(ValueError, match="must contain"):
+        CodeOptions(program="print(1)")

