@@ -1,1 +1,1 @@
-"""Built-in task sources: the synthetic ``arith`` task and user ``jsonl`` files."""
+"""Built-in task sources: the synthetic ``arith`` task and user ``jsonl`` / ``parquet`` files."""

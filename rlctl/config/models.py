@@ -76,6 +76,9 @@ class ModelConfig(_Strict):
 class TaskConfig(_Strict):
     source: str = Field("arith", description="Registered task source name (see `rlctl plugins`).")
     options: dict[str, Any] = Field(default_factory=dict, description="Validated by the source.")
+    length_grouping: int = Field(
+        0, ge=0, description="Length-aware batching: 0 = off; N > 1 sorts each window of N steps' train prompts "
+        "by length so a step's prompts have similar lengths (less padding), in a seeded, resumable order.")
 
 
 class RolloutConfig(_Strict):

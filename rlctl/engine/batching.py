@@ -27,17 +27,39 @@ class CursorState:
 class PromptCursor:
     """Yields train prompts in a seeded order, epoch after epoch, and can resume exactly."""
 
-    def __init__(self, records: Sequence[PromptRecord], seed: int, state: CursorState | None = None) -> None:
+    def __init__(self, records: Sequence[PromptRecord], seed: int, state: CursorState | None = None,
+                 batch_size: int = 1, length_window: int = 0) -> None:
         if not records:
             raise ValueError("the train split is empty; a task needs at least one train prompt")
         self.records = tuple(records)
         self.seed = seed
+        self.batch_size, self.length_window = batch_size, length_window
         self.state = CursorState(state.epoch, state.position) if state else CursorState()  # never alias
 
     def _order(self, epoch: int) -> list[int]:
+        cached = getattr(self, "_cached", None)  # record_at asks per prompt: keep the last epoch's order
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         order = list(range(len(self.records)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        if self.length_window > 1:
+            order = self._length_grouped(order, random.Random(f"{self.seed}/{epoch}/lengths"))
+        self._cached = (epoch, order)
         return order
+
+    def _length_grouped(self, order: list[int], rng: random.Random) -> list[int]:
+        """Length-aware batching: within each window of ``length_window`` batches of the shuffled
+        order, sort by prompt length (characters) so each batch holds similar lengths (less padding),
+        then shuffle the batches of the window so steps do not run short-to-long. A pure function
+        of seed and epoch, so a resumed cursor continues the same order."""
+        b, out = self.batch_size, []
+        span = b * self.length_window
+        for start in range(0, len(order), span):
+            window = sorted(order[start:start + span], key=lambda i: len(self.records[i].text))
+            batches = [window[j:j + b] for j in range(0, len(window), b)]
+            rng.shuffle(batches)
+            out.extend(i for batch in batches for i in batch)
+        return out
 
     def record_at(self, index: int) -> PromptRecord:
         """The prompt at position ``index`` of the endless seeded order (epoch ``index // len``); no state change."""

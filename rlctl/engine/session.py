@@ -49,14 +49,27 @@ class Session:
     queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
 
 
-def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
-    source = plugins.build("task_source", config.task.source, config.task.options, "task.options",
-                           seed=config.run.seed)
+def load_task(config: RunConfig, plugins: Plugins, reward: MixedReward | None = None) -> TaskData:
+    """Load and check the task; its version also names the grader, since the same data graded
+    differently is a different dataset for a run (a resume across a grader change is refused)."""
+    import dataclasses
+    import hashlib
+
+    options = dict(config.task.options)
+    model = plugins.get("task_source", config.task.source).options
+    # Sources that render chat prompts (an option named ``tokenizer``) use the policy's tokenizer
+    # unless told otherwise; the built-in model's is the character tokenizer, their own default.
+    if (model is not None and "tokenizer" in model.model_fields and options.get("tokenizer") is None
+            and not config.model.builtin):
+        options["tokenizer"] = config.model.path
+    source = plugins.build("task_source", config.task.source, options, "task.options", seed=config.run.seed)
     task = source.load()
     for split in ("train", "dev", "hidden"):
         if not task.split(split):
             raise DataError(f"task {task.name!r} has an empty {split} split", "every split needs prompts")
-    return task
+    grader = (reward or build_reward(config, plugins)).version
+    version = hashlib.sha256(f"{task.version}\x1f{grader}".encode()).hexdigest()[:16]
+    return dataclasses.replace(task, version=version)
 
 
 def build_reward(config: RunConfig, plugins: Plugins) -> MixedReward:
@@ -165,7 +178,7 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
     estimator = build_estimator(config, plugins)
-    task = task or load_task(config, plugins)
+    task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
@@ -179,8 +192,9 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                                                policy_loss=policy_loss(config, estimator)))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
-                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config),
-                   estimator=estimator,
+                   cursor=PromptCursor(task.train, seed=config.run.seed, batch_size=config.algo.prompts_per_step,
+                                       length_window=config.task.length_grouping),
+                   sampling=sampling_config(config), estimator=estimator,
                    critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None,
                    reward_factory=lambda: build_reward(config, plugins),
                    reward_pool=build_reward_pool(config))

@@ -51,10 +51,16 @@ def warm_start_seed(model: ModelConfig, seed: int) -> int:
 
 
 def warm_start_key(model: ModelConfig, task: TaskData, seed: int) -> str:
-    """Cache key over the model shape, every warm-start setting (stopping rule included), data and seed."""
+    """Cache key over the model shape, every warm-start setting (stopping rule included), data and seed.
+
+    Keyed on the records, not task.version: that also names the grader, which a warm start ignores."""
     dump = model.model_dump(mode="json")
     dump["warm_start"]["seed"] = warm_start_seed(model, seed)
-    body = json.dumps({"model": dump, "task": task.version, "format": 2}, sort_keys=True)
+    data = hashlib.sha256()
+    for split in ("train", "dev", "hidden"):
+        for r in task.split(split):
+            data.update(f"{split}\x1f{r.id}\x1f{r.text}\x1f{r.sft_target}\x1e".encode())
+    body = json.dumps({"model": dump, "task": data.hexdigest(), "format": 2}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 

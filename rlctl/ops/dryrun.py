@@ -170,7 +170,7 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
                         + ("; needs a critic" if estimator.needs_critic else "")))
     reward = build_reward(config, plugins)
     checks.append(Check("reward", True, reward.version))
-    task = load_task(config, plugins)
+    task = load_task(config, plugins, reward)
     sizes = {s: len(task.split(s)) for s in ("train", "dev", "hidden")}
     checks.append(Check("data", True, f"task {task.name!r} version {task.version[:12]}; "
                         + ", ".join(f"{k} {v}" for k, v in sizes.items())))

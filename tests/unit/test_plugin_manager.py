@@ -24,7 +24,7 @@ from rlctl.hooks import hookspecs, manager
 from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 
 BUILTINS = {
-    "task_source": ["arith", "jsonl"],
+    "task_source": ["arith", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["torch"],
     "critic_backend": ["torch"],
@@ -34,7 +34,7 @@ BUILTINS = {
     "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
-    "tasks": {"task source": ("arith", "jsonl")},
+    "tasks": {"task source": ("arith", "jsonl", "parquet")},
     "rewards": {"reward function": ("code", "format", "length", "math")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
@@ -140,7 +140,7 @@ def test_builtins_build(tmp_path: Path) -> None:
     [
         ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "code, format, length, math"),
-        ("task_source", "jsnol", "jsonl", "arith, jsonl"),
+        ("task_source", "jsnol", "jsonl", "arith, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "torch"),
     ],
 )
@@ -314,7 +314,7 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
     assert plugins.names("reward_function") == ["code", "format", "good", "length", "math"]
-    assert plugins.names("task_source") == ["arith", "jsonl"]
+    assert plugins.names("task_source") == ["arith", "jsonl", "parquet"]
 
 
 def test_third_party_import_failure_names_the_plugin(third_party, monkeypatch) -> None:
