@@ -23,6 +23,7 @@ import torch
 
 from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
+from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_local_engine.options import LocalEngineOptions
@@ -34,11 +35,13 @@ class LocalEngine:
 
     def __init__(self, ctx: RolloutContext, options: LocalEngineOptions | None = None) -> None:
         self.options = options or LocalEngineOptions()
+        self.device = resolve_device(self.options.device, "rollout.options.device")
         self.model, self.tokenizer = load_policy(ctx.model_dir)
+        self.model.to(self.device)
         self.tokenizer_hash = ctx.tokenizer_hash
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
-        self._generator = torch.Generator().manual_seed(ctx.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._calls = 0
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
@@ -63,8 +66,9 @@ class LocalEngine:
         started = time.time()
         prompts = [list(r.prompt_tokens) for r in requests for _ in range(r.group_size)]
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
-        result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
-                        pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check)
+        with self.device:  # prompt, cache and sampling tensors live beside the model
+            result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
+                            pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check)
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0
@@ -95,7 +99,8 @@ class LocalEngine:
         if missing:
             raise RoleError(f"weight update v{update.version} lacks {len(missing)} tensor(s), e.g. {missing[0]}",
                             "publish the full state dict")
-        staged = {k: v.detach().to(current[k].dtype).clone() for k, v in update.state_dict.items() if k in current}
+        staged = {k: v.detach().to(device=current[k].device, dtype=current[k].dtype, copy=True)
+                  for k, v in update.state_dict.items() if k in current}
         got = fingerprint(staged)
         if got != update.fingerprint:
             raise RoleError(f"weight update v{update.version} fingerprint mismatch ({got} != {update.fingerprint})",

@@ -358,6 +358,7 @@ class LearnerContext:
     seed: int
     max_response_tokens: int
     deterministic: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N, resolved by the learner (rlctl.models.device)
 
 
 # -- checkpoints ----------------------------------------------------------------

@@ -111,7 +111,8 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                             "train.learner_options",
                             ctx=LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim,
                                                seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
-                                               deterministic=config.train.deterministic))
+                                               deterministic=config.train.deterministic,
+                                               device=config.train.device))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
                    cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config))
