@@ -26,7 +26,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 BUILTINS = {
     "task_source": ["arith", "jsonl"],
     "rollout_backend": ["local", "sglang"],
-    "learner_backend": ["torch"],
+    "learner_backend": ["fsdp2", "torch"],
     "reward_function": ["format", "length", "math"],
     "metric_sink": ["jsonl"],
 }
@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = {
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",)},
+    "fsdp_learner": {"learner backend": ("fsdp2",)},
     "sinks": {"metric sink": ("jsonl",)},
 }
 
