@@ -136,7 +136,7 @@ def test_builtins_build(tmp_path: Path) -> None:
         ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl"),
-        ("learner_backend", "torhc", "torch", "torch"),
+        ("learner_backend", "torhc", "torch", "fsdp2, torch"),
     ],
 )
 def test_unknown_name_lists_installed_and_suggests_closest(kind: str, typo: str, suggestion: str,
