@@ -1,23 +1,29 @@
 """Benchmark: rlctl's synchronous GRPO step vs Hugging Face TRL's GRPOTrainer, same model and settings, CPU.
 
-Run:  OMP_NUM_THREADS=1 python bench/grpo_vs_trl.py [--steps 10] [--prompts 16] [--group 8] [--max-tokens 12]
-(needs the bench extra: pip install -e '.[bench]')
+Run:  OMP_NUM_THREADS=1 taskset -c 0 python bench/grpo_vs_trl.py [--model DIR ...] [--task TASKDIR]
+          [--steps 10] [--prompts 16] [--group 8] [--max-tokens 12]
+(needs the bench extra: pip install -e '.[bench]'; ``bench/make_model.py`` writes a ~1M-parameter Qwen2 DIR and
+its TASKDIR locally)
 
-Setup (identical for both): the quickstart's built-in tiny model (Llama shape, hidden 128, 4 layers, GQA
-4/2 heads), warm-started once by rlctl (``--warm-start-steps`` SFT steps, cached under RLCTL_HOME) and loaded
-from the same directory by both; the arithmetic task's train prompts; B prompts x G samples per step;
+Shapes, one table row each, all in one run: the quickstart's built-in tiny model (Llama shape, hidden 128, 4
+layers, GQA 4/2 heads, MLP 384), warm-started once by rlctl (``--warm-start-steps`` SFT steps, cached under
+RLCTL_HOME), on the built-in arithmetic task; then every ``--model DIR`` (a local Hugging Face causal-LM
+directory with its tokenizer) on the task in ``--task TASKDIR`` (train/dev/hidden.jsonl, ``{"prompt",
+"answer"}`` per line; default the built-in task). ``--no-builtin`` drops the built-in shape.
+
+Settings (identical for both trainers): the task's train prompts; B prompts x G samples per step;
 temperature 1, top-p 1, top-k off, at most ``--max-tokens`` new tokens; reward = math + 0.1 x format with a
 response cut at max tokens scored 0 (rlctl's truncation rule, applied in TRL's reward function too); PPO clip
 0.2, one epoch, one mini-batch, all B x G sequences in one micro-batch, no KL reference (beta = 0), token-mean
 loss (TRL "dapo"), group-std advantage scaling, AdamW lr 5e-5 constant, grad clip 1.0, fp32.
 
-Measurement: the two trainers run interleaved in one process (TRL's step-end callback runs one rlctl step),
-so both see the same machine load. A step's wall time is, for rlctl, the time from one step's end to the next
-(the whole loop body: rollout, reward, advantages, learner, weight sync, metrics), and for TRL the time from
-``on_step_begin`` to ``on_step_end`` (generation, reward, loss, optimizer; its logging is excluded, which
-favours TRL slightly). The first ``--warmup`` steps of each are dropped; the table shows medians.
-Throughput = completions (B x G) / step time and generated tokens / step time; the ratio column is
-rlctl / TRL, measured in the same run.
+Measurement: per shape, both trainers load the same directory and run interleaved in one process (TRL's
+step-end callback runs one rlctl step), so both see the same machine load. A step's wall time is, for rlctl,
+one call of its real loop (rlctl.engine.loop.run_sync) for one step: rollout, reward, advantages, learner,
+weight sync, metrics; for TRL the time from ``on_step_begin`` to ``on_step_end`` (generation, reward, loss,
+optimizer; its logging is excluded, which favours TRL slightly). The first ``--warmup`` steps of each are
+dropped; the table shows medians and the ratio TRL step time / rlctl step time (> 1: rlctl is faster),
+measured in the same run for that shape.
 """
 
 from __future__ import annotations
@@ -48,18 +54,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-start-steps", type=int, default=300, help="SFT steps of the shared starting policy.")
     p.add_argument("--home", default=os.environ.get("RLCTL_HOME", str(Path("~/.rlctl").expanduser())),
                    help="RLCTL_HOME holding the warm-start cache.")
+    p.add_argument("--model", action="append", default=[], metavar="DIR",
+                   help="A local Hugging Face causal-LM directory to benchmark as another shape (repeatable).")
+    p.add_argument("--task", metavar="TASKDIR",
+                   help="Directory with train.jsonl, dev.jsonl, hidden.jsonl for the --model shapes.")
+    p.add_argument("--no-builtin", action="store_true", help="Skip the built-in tiny model shape.")
     return p.parse_args(argv)
 
 
-def rlctl_config(args: argparse.Namespace) -> Any:
+def rlctl_config(args: argparse.Namespace, model_dir: str | None = None) -> Any:
+    """The quickstart config at the benchmark's settings; ``model_dir`` (with ``--task``) for another shape."""
     from rlctl.config.load import load_config
 
-    return load_config(REPO / "configs" / "quickstart.yaml", [
+    overrides = [
         f"model.warm_start.steps={args.warm_start_steps}", f"algo.prompts_per_step={args.prompts}",
         f"algo.group_size={args.group}", f"algo.micro_batch_size={args.prompts * args.group}",
-        f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0", "eval.at_end=false",
-        "checkpoint.every_steps=0", "train.metric_sinks=[]", f"train.steps={args.steps}",
-    ])
+        f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0", "train.optim.lr=5e-5",
+        "eval.at_end=false", "checkpoint.every_steps=0", "train.metric_sinks=[]", f"train.steps={args.steps}",
+    ]
+    if model_dir is not None:
+        overrides.append(f"model.path={model_dir}")
+        if args.task:
+            task = Path(args.task).resolve()
+            overrides += ["task.source=jsonl", "task.options={train: %s, dev: %s, hidden: %s}"
+                          % (task / "train.jsonl", task / "dev.jsonl", task / "hidden.jsonl")]
+    return load_config(REPO / "configs" / "quickstart.yaml", overrides)
 
 
 class RlctlStepper:
@@ -152,34 +171,51 @@ def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace
     return trainer, timer, counted
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    home = Path(args.home).expanduser()
-    config = rlctl_config(args)
+def describe(model: Any) -> str:
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    return (f"{c.model_type} h{c.hidden_size} L{c.num_hidden_layers} heads {c.num_attention_heads}/"
+            f"{c.num_key_value_heads} MLP {c.intermediate_size}, {n / 1e6:.2f}M")
+
+
+def bench_shape(args: argparse.Namespace, home: Path, model_dir: str | None) -> dict[str, Any]:
+    """Both trainers on one model directory, interleaved; medians of the measured steps."""
+    config = rlctl_config(args, model_dir)
     t0 = time.perf_counter()
     ours = RlctlStepper(config, home)
     print(f"setup: policy {ours.session.policy_dir} ({time.perf_counter() - t0:.1f}s incl. warm start if not cached)",
           flush=True)
     trainer, timer, counted = build_trl(config, ours.session.policy_dir, ours.session.task, args, ours.step)
     trainer.train()
-    n = args.prompts * args.group
     w = args.warmup
-    rl_t, trl_t = statistics.median(ours.times[w:]), statistics.median(timer.times[w:])
-    rl_tok = statistics.median(ours.tokens[w:])
-    trl_tok = statistics.median(counted[w:len(timer.times)])
-    rows = [
-        ("step time (s)", rl_t, trl_t, trl_t / rl_t),
-        ("completions/s", n / rl_t, n / trl_t, (n / rl_t) / (n / trl_t)),
-        ("generated tokens/s", rl_tok / rl_t, trl_tok / trl_t, (rl_tok / rl_t) / (trl_tok / trl_t)),
-        ("generated tokens/step", rl_tok, trl_tok, rl_tok / trl_tok),
-    ]
-    print(f"\nsync GRPO step, tiny model, B={args.prompts} G={args.group} max_tokens={args.max_tokens}, "
-          f"median of {len(ours.times) - w} steps each (interleaved), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"{'metric':<24}{'rlctl':>12}{'TRL 1.16':>12}{'rlctl/TRL':>12}")
-    for name, a, b, r in rows:
-        print(f"{name:<24}{a:>12.4g}{b:>12.4g}{r:>12.2f}")
-    print(f"\nper-step times rlctl: {[round(x, 3) for x in ours.times]}")
-    print(f"per-step times TRL:   {[round(x, 3) for x in timer.times]}")
+    out = {
+        "shape": describe(trainer.model), "rl_t": statistics.median(ours.times[w:]),
+        "trl_t": statistics.median(timer.times[w:]), "rl_tok": statistics.median(ours.tokens[w:]),
+        "trl_tok": statistics.median(counted[w:len(timer.times)]), "n": len(ours.times) - w,
+        "rl_times": ours.times, "trl_times": timer.times,
+    }
+    ours.session.rollout.close()
+    print(f"per-step times rlctl: {[round(x, 3) for x in ours.times]}")
+    print(f"per-step times TRL:   {[round(x, 3) for x in timer.times]}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    home = Path(args.home).expanduser()
+    shapes = ([None] if not args.no_builtin else []) + args.model
+    results = [bench_shape(args, home, m) for m in shapes]
+    n = args.prompts * args.group
+    print(f"\nsync GRPO step, B={args.prompts} G={args.group} max_tokens={args.max_tokens}, median of "
+          f"{results[0]['n']} steps each (rlctl and TRL interleaved per shape), "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, CPUs {sorted(os.sched_getaffinity(0))}")
+    print(f"{'model':<44}{'rlctl s':>9}{'TRL s':>9}{'TRL/rlctl':>10}{'rlctl tok/s':>12}{'TRL tok/s':>11}"
+          f"{'tok/step':>10}")
+    for r in results:
+        print(f"{r['shape']:<44}{r['rl_t']:>9.3f}{r['trl_t']:>9.3f}{r['trl_t'] / r['rl_t']:>10.2f}"
+              f"{r['rl_tok'] / r['rl_t']:>12.0f}{r['trl_tok'] / r['trl_t']:>11.0f}"
+              f"{r['rl_tok']:>5.0f}/{r['trl_tok']:<4.0f}")
+    print(f"(completions/s = {n} / step time; tok/step = generated tokens per step, rlctl/TRL)")
     return 0
 
 

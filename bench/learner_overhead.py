@@ -9,13 +9,14 @@ the same weights and a fresh AdamW (lr 5e-5, betas 0.9/0.99, grad clip 1.0):
 
 - ``rlctl learner``: ``TorchLearner.train_step`` (the plugin the loop calls: PPO-clip loss, token-mean,
   entropy and logprob-mismatch statistics, NaN guard, LR schedule).
-- ``rlctl loop learner stage``: what the loop's T_l covers on top: ``build_batch`` (twice, as the loop
-  does), GRPO advantages, then ``train_step``.
+- ``rlctl loop learner stage``: what the loop's T_l covers on top: ``build_batch`` (once, as the loop
+  does), GRPO advantages broadcast onto the batch's response tokens, then ``train_step``.
 - ``minimal``: the same maths hand-written in ~15 lines (forward, log-softmax gather, clipped ratio,
   token-mean, backward, clip, AdamW step), no statistics.
-- ``minimal, prompt shared``: an estimate of a learner that forwards each prompt once per group (its KV
-  cache reused by the G responses, gradients flowing through it) and computes logits only on response
-  positions. This is NOT what rlctl does today; it shows the work a learner change could remove.
+- ``minimal, prompt shared``: the minimal step written to forward each prompt once per group (its KV
+  cache reused by the G responses, gradients flowing through it) with logits only on response positions:
+  the hand-written counterpart of what the torch learner does by default (``share_prompt_prefill``), so
+  ``rlctl learner`` should be compared with this row.
 
 Each figure is the median over ``--repeats`` interleaved repeats; ratios are taken in the same run.
 """
@@ -125,14 +126,17 @@ def shared_prompt_step(model: Any, opt: Any, trajectories: list[Any], group: int
 
 
 def loop_stage(session: Any, scored: list[Any], group: int) -> None:
-    """What the loop's T_l covers: group rewards, build_batch twice, GRPO advantages, train_step."""
+    """What the loop's T_l covers (rlctl.engine.loop.run_sync): group rewards, build_batch once, GRPO advantages
+    broadcast onto each sequence's trained tokens, train_step."""
+    from dataclasses import replace
+
     from rlctl.algo.advantages import grpo_advantages
     from rlctl.engine.batching import build_batch, group_rewards
 
     rewards, valid = group_rewards(scored, group)
-    build_batch(scored, [0.0] * len(scored), session.tokenizer.pad_token_id, session.sampling)
+    batch = build_batch(scored, [0.0] * len(scored), session.tokenizer.pad_token_id, session.sampling)
     advantages, _ = grpo_advantages(rewards, valid, normalize_std=True)
-    batch = build_batch(scored, advantages.flatten().tolist(), session.tokenizer.pad_token_id, session.sampling)
+    batch = replace(batch, advantages=advantages.reshape(-1, 1).float() * (batch.action_mask > 0))
     session.learner.train_step(batch)
 
 
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "rlctl learner (train_step)": lambda: session.learner.train_step(batch),
         "rlctl loop learner stage (T_l)": lambda: loop_stage(session, scored, args.group),
         "minimal PyTorch GRPO step": lambda: minimal_step(m1, o1, batch),
-        "minimal, prompt shared (estimate)": lambda: shared_prompt_step(m2, o2, trajectories, args.group,
+        "minimal, prompt shared": lambda: shared_prompt_step(m2, o2, trajectories, args.group,
                                                                         session.tokenizer.pad_token_id),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}

@@ -5,7 +5,7 @@ Run:  OMP_NUM_THREADS=1 python bench/weight_publish.py [--dir /tmp] [--params 0.
 What it measures (median of ``--repeats`` runs, tiny model: 5 runs):
 - the limits: disk write bandwidth (write + fsync of 512 MiB on the publish
   file system) and memcpy bandwidth (torch copy of 256 MiB);
-- for the quickstart's built-in model (fp32, ~0.9M params) and a synthetic
+- for the quickstart's built-in model (fp32, 0.80M params) and a synthetic
   ~0.5B-parameter bf16 state dict (Qwen2.5-0.5B shapes): publish latency and
   bytes moved for in-process, disk and torch.distributed gloo (to a receiver
   subprocess), with encodings raw / bf16 / fp8 and delta publish after one

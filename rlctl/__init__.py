@@ -16,7 +16,9 @@ from rlctl.contracts.errors import (
 )
 from rlctl.contracts.types import (
     CheckpointManifest,
+    CriticContext,
     LearnerState,
+    PolicyLoss,
     PromptRecord,
     RewardResult,
     RolloutRequest,
@@ -28,6 +30,7 @@ from rlctl.contracts.types import (
     WeightManifest,
     WeightUpdate,
 )
+from rlctl.contracts.batch import AdvantageInputs
 from rlctl.hooks.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -36,6 +39,9 @@ __all__ = [
     "hookimpl",
     "CheckpointManifest",
     "LearnerState",
+    "CriticContext",
+    "PolicyLoss",
+    "AdvantageInputs",
     "PromptRecord",
     "RewardResult",
     "RolloutRequest",

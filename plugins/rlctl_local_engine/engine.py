@@ -17,12 +17,13 @@ plugin; ``rlctl serve rollout`` puts this engine behind the same HTTP API.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
 from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
+from rlctl.engine.weight_apply import apply_update
 from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
@@ -44,21 +45,29 @@ class LocalEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._calls = 0
 
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+    def generate(self, requests: Sequence[RolloutRequest], *,
+                 cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
+        """Trajectories for ``requests``, in order.
+
+        ``cancelled()``, when given, is polled between decode steps and names
+        requests (indices into ``requests``) to stop: their rows end with
+        TerminalReason.ABORT at once, so nobody's work keeps a core busy.
+        """
         out: list[Trajectory] = []
         chunk: list[RolloutRequest] = []
-        rows = 0
-        for req in requests:
+        first, rows = 0, 0
+        for k, req in enumerate(requests):
             if chunk and rows + req.group_size > self.options.max_batch_sequences:
-                out.extend(self._generate_chunk(chunk))
-                chunk, rows = [], 0
+                out.extend(self._generate_chunk(chunk, _shifted(cancelled, first, len(chunk))))
+                chunk, rows, first = [], 0, k
             chunk.append(req)
             rows += req.group_size
         if chunk:
-            out.extend(self._generate_chunk(chunk))
+            out.extend(self._generate_chunk(chunk, _shifted(cancelled, first, len(chunk))))
         return out
 
-    def _generate_chunk(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+    def _generate_chunk(self, requests: Sequence[RolloutRequest],
+                        cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
         sampling = requests[0].sampling
         if any(r.sampling != sampling for r in requests):
             raise RoleError("one generate() call mixes sampling configs", "split the requests by sampling config")
@@ -66,9 +75,19 @@ class LocalEngine:
         started = time.time()
         prompts = [list(r.prompt_tokens) for r in requests for _ in range(r.group_size)]
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
+        abort = None
+        if cancelled is not None:
+            offsets = [0]
+            for r in requests:
+                offsets.append(offsets[-1] + r.group_size)
+
+            def abort() -> list[int]:
+                return [row for k in cancelled() for row in range(offsets[k], offsets[k + 1])]
+
         with self.device:  # prompt, cache and sampling tensors live beside the model
             result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
-                            pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check)
+                            pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
+                            abort=abort)
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0
@@ -94,19 +113,9 @@ class LocalEngine:
         return check
 
     def update_weights(self, update: WeightUpdate) -> None:
-        current = self.model.state_dict()
-        missing = sorted(set(current) - set(update.state_dict))
-        if missing:
-            raise RoleError(f"weight update v{update.version} lacks {len(missing)} tensor(s), e.g. {missing[0]}",
-                            "publish the full state dict")
-        staged = {k: v.detach().to(device=current[k].device, dtype=current[k].dtype, copy=True)
-                  for k, v in update.state_dict.items() if k in current}
-        got = fingerprint(staged)
-        if got != update.fingerprint:
-            raise RoleError(f"weight update v{update.version} fingerprint mismatch ({got} != {update.fingerprint})",
-                            "the weights changed in transit; republish")
-        self.model.load_state_dict(staged, strict=False)
-        self.fingerprint, self.policy_version = got, update.version
+        """All or nothing: the whole update is checked and staged before the served weights change."""
+        self.fingerprint = apply_update(self.model, update)
+        self.policy_version = update.version
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         """The weights being served (read only: the base a delta weight update is applied to)."""
@@ -127,3 +136,11 @@ class LocalEngine:
 
     def close(self) -> None:
         self.model = None
+
+
+def _shifted(cancelled: Callable[[], Collection[int]] | None, first: int,
+             count: int) -> Callable[[], list[int]] | None:
+    """``cancelled`` for the chunk of requests [first, first + count), as chunk-local indices."""
+    if cancelled is None:
+        return None
+    return lambda: [k - first for k in cancelled() if first <= k < first + count]

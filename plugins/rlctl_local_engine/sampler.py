@@ -37,7 +37,8 @@ import torch
 from rlctl import SamplingConfig, TerminalReason
 from rlctl.algo.sampling import process_logits
 
-_REASONS = (TerminalReason.LENGTH, TerminalReason.EOS, TerminalReason.STOP)
+_REASONS = (TerminalReason.LENGTH, TerminalReason.EOS, TerminalReason.STOP, TerminalReason.ABORT)
+_ABORTED = 3  # index of TerminalReason.ABORT
 _FAST_MODEL_TYPES = ("llama", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3")
 # Finished rows stay in the batch (computed, ignored) until at most this share of it is still live;
@@ -54,10 +55,13 @@ class Sampled:
 
 @torch.no_grad()
 def sample(model: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, eos_id: int,
-           pad_id: int, generator: torch.Generator, stop_check: Any = None, fast: bool = True) -> Sampled:
+           pad_id: int, generator: torch.Generator, stop_check: Any = None, fast: bool = True,
+           abort: Any = None) -> Sampled:
     """Sample one response per row of ``prompts`` (callers repeat a prompt G times).
 
     ``fast=False`` forces the generic Hugging Face path (tests and benchmarks compare the two).
+    ``abort()``, when given, is called between decode steps and returns the rows (indices into
+    ``prompts``) to stop now; they end with TerminalReason.ABORT, and sampling ends once no row is live.
     """
     steps = sampling.max_tokens
     unique, expand = _dedupe(prompts)  # the G copies of a prompt are prefilled once
@@ -69,6 +73,8 @@ def sample(model: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfi
     for t in range(steps):
         tok, lp = _draw(logits, sampling, generator)  # [n], [n]
         out.record(t, tok, lp, eos_id, stop_check)
+        if abort is not None:
+            out.abort(t, abort())
         if t + 1 == steps or out.num_live == 0:
             break
         keep = out.maybe_compact()
@@ -108,6 +114,17 @@ class _Rows:
         if ended:
             self.lengths[self.rows[finished]] = t + 1
             self.live &= ~finished
+            self.num_live = int(self.live.sum())
+
+    def abort(self, t: int, rows: Any) -> None:
+        """End the still-live rows among ``rows`` (original indices) at step ``t``."""
+        if not rows:
+            return
+        hit = torch.isin(self.rows, torch.as_tensor(list(rows), dtype=torch.long)) & self.live  # [n]
+        if bool(hit.any()):
+            self.reason[self.rows[hit]] = _ABORTED
+            self.lengths[self.rows[hit]] = t + 1
+            self.live &= ~hit
             self.num_live = int(self.live.sum())
 
     def maybe_compact(self) -> torch.Tensor | None:

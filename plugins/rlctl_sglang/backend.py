@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -62,7 +63,8 @@ class SGLangRollout:
         self.policy_version = ctx.policy_version
         self.tokenizer_hash = ctx.tokenizer_hash
         self.eos_ids = _eos_ids(Path(ctx.model_dir))
-        self.clients = [ServerClient(url, options.timeout_s) for url in options.servers]
+        api_key = os.environ.get(options.api_key_env) or None
+        self.clients = [ServerClient(url, options.timeout_s, api_key) for url in options.servers]
         self._own_dir = options.publish_dir is None
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
         extra = [Path(ctx.model_dir) / n for n in ("config.json", "generation_config.json")]

@@ -35,15 +35,18 @@ class ServerError(RoleError):
 
 
 class ServerClient:
-    """JSON over HTTP to one server."""
+    """JSON over HTTP to one server; ``api_key`` is sent as ``Authorization: Bearer KEY`` (SGLang's --api-key)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._info_path = "/model_info"  # SGLang's current route; /get_model_info is its deprecated alias
 
     def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
         try:
             with _OPENER.open(request, timeout=timeout_s or self.timeout_s) as resp:
                 raw = resp.read()
@@ -64,7 +67,13 @@ class ServerClient:
         return raw.decode(errors="replace")
 
     def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._call("GET", "/get_model_info", timeout_s=timeout_s)
+        try:
+            return self._call("GET", self._info_path, timeout_s=timeout_s)
+        except ServerError as err:
+            if err.status != 404 or self._info_path == "/get_model_info":
+                raise
+            self._info_path = "/get_model_info"  # an older server
+            return self._call("GET", self._info_path, timeout_s=timeout_s)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

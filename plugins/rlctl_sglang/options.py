@@ -21,6 +21,9 @@ class SGLangOptions(BaseModel):
     servers: list[str] = Field(min_length=1, description="Base URLs of the servers: `python -m sglang.launch_server` "
                                "or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. All G samples of a prompt "
                                "go to one of them (chosen by a hash of the prompt id).")
+    api_key_env: str = Field("RLCTL_SERVE_API_KEY", description="Environment variable holding the servers' API "
+                             "key (their --api-key), sent as `Authorization: Bearer KEY`; unset or empty: no key. "
+                             "The key itself never goes into the config, so it never reaches run records.")
     timeout_s: float = Field(300.0, gt=0, description="Timeout of one HTTP request (a whole /generate batch included).")
     retries: int = Field(3, ge=0, description="Bounded retries for weight-sync confirmation, resync and generate; "
                          "past them the step fails with an error naming the server.")

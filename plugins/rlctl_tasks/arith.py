@@ -43,14 +43,19 @@ class ArithOptions(BaseModel):
         bad = set(self.ops) - set("+-*")
         if bad:
             raise ValueError(f"task.options.ops may only contain '+', '-', '*' (got {''.join(sorted(bad))!r})")
-        space = (self.max_operand + 1) ** self.num_terms * len(self.ops) ** (self.num_terms - 1)
+        space = self.space
         need = self.num_train + self.num_dev + self.num_hidden
-        if need > space // 2:
+        if need > space:
             raise ValueError(
-                f"arith can make at most about {space // 2} unique problems with these options but "
-                f"{need} were asked for; raise task.options.max_operand or lower the split sizes"
+                f"arith can make {space} unique problems with these options but {need} were asked for; "
+                "raise task.options.max_operand or lower the split sizes"
             )
         return self
+
+    @property
+    def space(self) -> int:
+        """Number of distinct expressions these options can write."""
+        return (self.max_operand + 1) ** self.num_terms * len(set(self.ops)) ** (self.num_terms - 1)
 
 
 class ArithTask:
@@ -62,15 +67,9 @@ class ArithTask:
     def load(self) -> TaskData:
         opts = self.options
         rng = random.Random(opts.seed)
-        seen: set[str] = set()
-        pool: list[tuple[str, str]] = []
         need = opts.num_train + opts.num_dev + opts.num_hidden
-        while len(pool) < need:
-            expr = _draw(rng, opts)
-            if expr in seen:
-                continue
-            seen.add(expr)
-            pool.append((expr, str(_evaluate(expr))))
+        exprs = _enumerate(rng, opts, need) if need > opts.space // 4 else _draw_unique(rng, opts, need)
+        pool = [(expr, str(_evaluate(expr))) for expr in exprs]
         cut1, cut2 = opts.num_hidden, opts.num_hidden + opts.num_dev
         splits = {Split.HIDDEN: pool[:cut1], Split.DEV: pool[cut1:cut2], Split.TRAIN: pool[cut2:]}
         teacher = random.Random(f"{opts.seed}/teacher")
@@ -88,6 +87,29 @@ class ArithTask:
             name="arith", version=version,
             train=records[Split.TRAIN], dev=records[Split.DEV], hidden=records[Split.HIDDEN],
         )
+
+
+def _draw_unique(rng: random.Random, opts: ArithOptions, need: int) -> list[str]:
+    """``need`` distinct expressions by rejection sampling (the space is at least 4x larger)."""
+    seen: set[str] = set()
+    out: list[str] = []
+    while len(out) < need:
+        expr = _draw(rng, opts)
+        if expr not in seen:
+            seen.add(expr)
+            out.append(expr)
+    return out
+
+
+def _enumerate(rng: random.Random, opts: ArithOptions, need: int) -> list[str]:
+    """``need`` distinct expressions from a shuffled list of the whole space (dense requests, up to all of it)."""
+    operands = [str(v) for v in range(opts.max_operand + 1)]
+    ops = sorted(set(opts.ops))
+    exprs = list(operands)
+    for _ in range(opts.num_terms - 1):
+        exprs = [e + op + b for e in exprs for op in ops for b in operands]
+    rng.shuffle(exprs)
+    return exprs[:need]
 
 
 def _draw(rng: random.Random, opts: ArithOptions) -> str:

@@ -36,8 +36,8 @@ from typing import Any, Mapping
 
 import torch
 
-from rlctl import CheckpointError, WeightUpdate
-from rlctl.algo.losses import entropy_from_logits, kl_penalty_loss, ppo_clip_loss
+from rlctl import CheckpointError, PolicyLoss, WeightUpdate
+from rlctl.algo.losses import entropy_from_logits, gspo_loss, kl_penalty_loss, ppo_clip_loss, truncated_is_weights
 from rlctl.algo.sampling import process_logits, token_logprobs
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
@@ -56,6 +56,10 @@ class TorchLearner:
         self.algo, self.optim_cfg = ctx.algo, ctx.optim
         self.norm_len = ctx.max_response_tokens
         self.device = resolve_device(ctx.device, "train.device")
+        a = ctx.algo
+        self.loss = ctx.policy_loss or PolicyLoss(
+            kind="token", clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+            agg=a.loss_agg or "token-mean", tis_cap=a.tis_cap)
         self.model, _ = load_policy(ctx.model_dir, dtype=self.options.dtype)
         self.model.to(self.device)
         if self.options.gradient_checkpointing:
@@ -128,6 +132,8 @@ class TorchLearner:
         kl_in_loss = algo.kl.coef > 0 and algo.kl.placement == "loss"  # the reference exists exactly then
         if self.reference is not None and batch.ref_logprobs is None:
             batch = _with_ref(batch, self.ref_logprobs(batch))
+        if self.loss.tis_cap is not None and batch.old_logprobs is None:
+            batch = replace(batch, old_logprobs=self.logprobs(batch))  # pi_old: before this step's updates
         batch = batch.to(self.device)
         stats: dict[str, list[float]] = {}
         size = batch.num_sequences // algo.num_mini_batches
@@ -141,7 +147,7 @@ class TorchLearner:
         if applied:  # a new policy exists only if some update was applied
             self.policy_version += 1
         out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
-        for key in ("ratio_max", "logprob_mismatch_max"):
+        for key in ("ratio_max", "logprob_mismatch_max", "is_ratio_max"):
             if stats.get(key):
                 out[key] = max(stats[key])
         out["lr"] = self.scheduler.get_last_lr()[0]
@@ -154,8 +160,8 @@ class TorchLearner:
 
     def _mini_batch_step(self, mini: TrainBatch, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> bool:
         """One optimizer step over ``mini`` (accumulated over micro-batches); False when it was skipped."""
-        algo = self.algo
-        token_mode = algo.loss_agg == "token-mean"
+        algo, spec = self.algo, self.loss
+        token_mode = spec.kind == "token" and spec.agg == "token-mean"
         total_tokens = float(mini.action_mask.sum())
         total_seqs = float((mini.action_mask.sum(-1) > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
@@ -163,18 +169,27 @@ class TorchLearner:
         for micro in self._micro_batches(mini):
             logp, entropy = self._forward(self.model, micro, with_entropy=True)
             mask = micro.action_mask
-            loss, info = ppo_clip_loss(logp, micro.behavior_logprobs, micro.advantages, mask, algo.clip_eps,
-                                       algo.clip_eps_high or algo.clip_eps, algo.loss_agg, norm_len=self.norm_len)
+            anchor, weights, tis = micro.behavior_logprobs, None, {}
+            if spec.tis_cap is not None:  # ratio against pi_old, each token weighted by min(pi_old / mu, cap)
+                weights, tis = truncated_is_weights(micro.old_logprobs, micro.behavior_logprobs, mask, spec.tis_cap)
+                anchor = micro.old_logprobs
+            if spec.kind == "sequence":
+                loss, info = gspo_loss(logp, anchor, micro.advantages, mask, spec.clip_low, spec.clip_high, weights)
+            else:
+                loss, info = ppo_clip_loss(logp, anchor, micro.advantages, mask, spec.clip_low, spec.clip_high,
+                                           spec.agg, norm_len=self.norm_len, is_weights=weights)
+            info.update(tis)
             if micro.ref_logprobs is not None:
                 kl_loss, kl_value = kl_penalty_loss(logp, micro.ref_logprobs, mask, algo.kl.estimator,
-                                                    algo.loss_agg, norm_len=self.norm_len)
+                                                    spec.agg, norm_len=self.norm_len)
                 if kl_in_loss:
                     loss = loss + algo.kl.coef * kl_loss
                 info["kl_ref"] = kl_value
             n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
             share = (n_tok / max(total_tokens, 1.0)) if token_mode else (n_seq / max(total_seqs, 1.0))
             (loss * share).backward()
-            for key in ("loss", "clip_fraction", "ratio_mean", "ratio_max", "approx_kl_behavior", "kl_ref"):
+            for key in ("loss", "clip_fraction", "ratio_mean", "ratio_max", "approx_kl_behavior", "kl_ref",
+                        "tis_weight_mean", "tis_truncated_frac", "is_ratio_max"):
                 if key in info:
                     stats.setdefault(key, []).append(float(info[key]))
             on = mask > 0

@@ -1,4 +1,4 @@
-"""Registers the plain-torch learner as learner backend ``torch``."""
+"""Registers the plain-torch learner and critic as learner backend and critic backend ``torch``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ def _make(options, ctx):
     from rlctl_torch_learner.learner import TorchLearner
 
     return TorchLearner(ctx, options)
+
+
+def _make_critic(options, ctx):
+    from rlctl_torch_learner.critic import TorchCritic
+
+    return TorchCritic(ctx, options)
+
+
+@hookimpl
+def register_critic_backends(register) -> None:
+    register("torch", _make_critic)
 
 
 @hookimpl

@@ -1,6 +1,7 @@
-"""Advantage estimators: group-relative (GRPO) and GAE (PPO).
+"""Advantage estimators: group-relative (GRPO, Dr.GRPO, RLOO), batch-whitened (REINFORCE++) and GAE (PPO).
 
-What this is: pure tensor functions from rewards (and values) to advantages.
+What this is: pure tensor functions from rewards (and values) to advantages,
+plus the reward-side pieces of DAPO (informative groups, overlong penalty).
 They run in fp32 (or wider, if given wider) because reward normalisation is a
 sensitive reduction: bf16 means and stds would bias the advantages.
 
@@ -120,3 +121,117 @@ def gae(
         adv = torch.where(m, adv, zero)
         returns = torch.where(m, adv + v, zero)
     return adv, returns
+
+
+def rloo_advantages(rewards: Tensor, valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Leave-one-out advantages A_i = r_i - mean_{j != i} r_j over the valid samples of each group.
+
+    ``rewards`` and ``valid`` are ``[B, G]`` as in ``grpo_advantages``. The
+    baseline of sample i never contains r_i, so A is an unbiased policy-gradient
+    weight; with n valid samples it equals n / (n - 1) * (r_i - mean). Groups
+    with fewer than two valid samples or all-equal rewards get exactly 0, and so
+    do invalid samples.
+
+    >>> rloo_advantages(torch.tensor([[1.0, 0.0, 0.0]]))[0].tolist()
+    [[1.0, -0.5, -0.5]]
+    """
+    centered, stats = grpo_advantages(rewards, valid, normalize_std=False, eps=0.0)  # [B, G]
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    n = valid.sum(dim=-1, keepdim=True).to(centered.dtype)  # [B, 1]
+    return centered * n / (n - 1.0).clamp(min=1.0), stats
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / (std + eps)`` over the masked entries (biased std), 0 elsewhere; fp32.
+
+    All-equal masked values carry no signal and give exactly 0 (decided from
+    max == min, because the rounded mean of equal values can differ from them
+    by an ulp, which divided by a ~0 std would be noise of order 1).
+    """
+    m = mask.bool()
+    x = values.to(_compute_dtype(values))
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if not bool(m.any()) or bool(x[m].max() == x[m].min()):
+        return torch.zeros_like(x)
+    count = m.sum().to(x.dtype)
+    mean = torch.where(m, x, zero).sum() / count
+    var = torch.where(m, (x - mean) ** 2, zero).sum() / count
+    return torch.where(m, (x - mean) / (var.sqrt() + eps), zero)
+
+
+def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_kl: Tensor | None = None,
+                          kl_coef: float = 0.0) -> Tensor:
+    """Per-token rewards: the sequence reward on its last response token, minus ``kl_coef * token_kl`` on every one.
+
+    ``rewards`` is ``[N]``, ``mask`` and ``token_kl`` ``[N, T]``. This is the
+    reward that PPO's GAE and REINFORCE++'s returns consume; invalid rows are
+    the caller's to mask (pass them with an all-zero mask row).
+    """
+    m = mask.bool()  # [N, T]
+    dtype = _compute_dtype(rewards)
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    out = torch.zeros(m.shape, dtype=dtype, device=rewards.device)  # [N, T]
+    has = m.any(dim=-1)  # [N]
+    last = (m.to(torch.int64) * torch.arange(m.shape[1], device=m.device)).argmax(dim=-1)  # [N]
+    rows = torch.arange(m.shape[0], device=m.device)
+    out[rows[has], last[has]] = rewards.to(dtype)[has]
+    if token_kl is not None and kl_coef:
+        out = out - kl_coef * torch.where(m, token_kl.to(dtype), zero)
+    return out
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, valid: Tensor | None = None,
+                            token_kl: Tensor | None = None, kl_coef: float = 0.0,
+                            eps: float = 1e-8) -> tuple[Tensor, dict[str, float]]:
+    """REINFORCE++: undiscounted token returns with the KL penalty in the reward, whitened over the batch.
+
+    ``rewards`` ``[N]`` (one per sequence), ``mask`` ``[N, T]`` response tokens,
+    ``valid`` ``[N]`` bool (invalid rows get 0 and stay out of the statistics),
+    ``token_kl`` ``[N, T]`` per-token KL(pi_old || ref) estimates. The return at
+    token t is sum_{t' >= t} (reward_t' - kl_coef * kl_t'); advantages are the
+    returns normalised by the mean and std over every valid token of the batch
+    (a global baseline instead of a critic or a group).
+    """
+    if valid is None:
+        valid = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
+    m = mask.bool() & valid.view(-1, 1)  # [N, T]
+    zero = torch.zeros((), dtype=_compute_dtype(rewards), device=rewards.device)
+    safe = torch.where(valid, rewards.to(zero.dtype), zero)  # invalid rewards may be NaN
+    token_r = outcome_token_rewards(safe, m, token_kl, kl_coef)  # [N, T]
+    returns = torch.flip(torch.cumsum(torch.flip(token_r, [1]), dim=1), [1])  # [N, T]
+    adv = whiten(returns, m, eps)
+    picked = returns[m]
+    stats = {"return_mean": float(picked.mean()) if picked.numel() else 0.0,
+             "return_std": float(picked.std(unbiased=False)) if picked.numel() else 0.0}
+    return adv, stats
+
+
+def informative_groups(rewards: Tensor, valid: Tensor | None = None) -> Tensor:
+    """``[B]`` bool: groups whose valid rewards are not all equal (DAPO dynamic sampling keeps only these).
+
+    A group with fewer than two valid samples carries no group-relative signal
+    either and counts as not informative.
+    """
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    r = rewards.to(_compute_dtype(rewards))
+    inf = torch.full((), float("inf"), dtype=r.dtype, device=r.device)
+    r_max = torch.where(valid, r, -inf).amax(dim=-1)  # [B]
+    r_min = torch.where(valid, r, inf).amin(dim=-1)  # [B]
+    return (valid.sum(dim=-1) >= 2) & (r_max > r_min)
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to ``max_tokens - buffer`` tokens,
+    then falling linearly to ``-factor`` at ``max_tokens`` (and ``-factor`` beyond).
+
+    ``lengths`` is any shape of response lengths; returns fp32 of the same shape.
+
+    >>> overlong_penalty(torch.tensor([6, 8, 10]), max_tokens=10, buffer=4).tolist()
+    [0.0, -0.5, -1.0]
+    """
+    if buffer <= 0 or buffer > max_tokens:
+        raise ValueError(f"overlong buffer must be in 1..max_tokens={max_tokens}, got {buffer}")
+    excess = lengths.to(torch.float32) - float(max_tokens - buffer)
+    return -factor * (excess / float(buffer)).clamp(min=0.0, max=1.0)

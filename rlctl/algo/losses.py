@@ -1,4 +1,5 @@
-"""Policy-gradient losses: PPO clip, KL-in-loss, entropy, token aggregation.
+"""Policy-gradient losses: PPO clip, GSPO, KL-in-loss, entropy, token aggregation, truncated
+importance weights, and the critic's clipped value loss.
 
 What this is: pure tensor functions over ``[N, T]`` per-token quantities with
 a response mask (prompt and padding tokens never count). Ratios and log-ratios are
@@ -92,6 +93,7 @@ def ppo_clip_loss(
     clip_high: float,
     agg: AggMode,
     norm_len: int | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate against the behaviour policy mu (the distribution the tokens were sampled from).
 
@@ -110,6 +112,8 @@ def ppo_clip_loss(
     unclipped = ratio * adv  # [N, T]
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv  # [N, T]
     per_token = -torch.minimum(unclipped, clipped)  # [N, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().float()
     loss = aggregate(per_token, mask, agg, norm_len)
 
     with torch.no_grad():
@@ -160,3 +164,119 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     # Replace log p before the product, so the backward pass never sees 0 * -inf.
     safe_log_p = torch.where(p > 0, log_p, torch.zeros((), dtype=log_p.dtype, device=log_p.device))
     return -(p * safe_log_p).sum(dim=-1)
+
+
+def gspo_loss(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: one importance ratio and one clip decision per sequence.
+
+    s_i = exp(mean over the response tokens of (logp - behavior_logp)), the
+    length-normalised sequence likelihood ratio, and
+    loss = mean_i -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+    over sequences with at least one response token. ``advantages`` is
+    ``[N, T]`` with the sequence's advantage on its tokens (the masked mean is
+    taken). ``is_weights`` ``[N, T]`` (truncated importance weights) enter as
+    their per-sequence mean. Inputs are ``[N, T]``; ratios in fp32.
+
+    Metrics: ``clip_fraction`` (share of sequences clipped), ``ratio_mean``,
+    ``ratio_max`` (sequence ratios), ``approx_kl_behavior`` (token k3) and ``loss``.
+    """
+    m = mask.bool()  # [N, T]
+    mf = m.float()
+    lengths = mf.sum(-1)  # [N]
+    has = lengths > 0  # [N]
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    log_ratio = torch.where(m, logp.float() - behavior_logp.float(), zero)  # [N, T]
+    seq_log_ratio = log_ratio.sum(-1) / lengths.clamp(min=1.0)  # [N]
+    ratio = torch.exp(seq_log_ratio)  # [N]
+    adv = torch.where(m, advantages.float(), zero).sum(-1) / lengths.clamp(min=1.0)  # [N]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_seq = -torch.minimum(unclipped, clipped)  # [N]
+    if is_weights is not None:
+        w = torch.where(m, is_weights.detach().float(), zero).sum(-1) / lengths.clamp(min=1.0)
+        per_seq = per_seq * w
+    loss = torch.where(has, per_seq, zero).sum() / has.sum().clamp(min=1)
+    with torch.no_grad():
+        num = int(has.sum())
+        kl_lag = kl_estimate(behavior_logp, logp, "k3")
+        metrics = {
+            "clip_fraction": float(((clipped < unclipped) & has).sum()) / max(num, 1),
+            "ratio_mean": float(ratio[has].mean()) if num else 0.0,
+            "ratio_max": float(ratio[has].max()) if num else 0.0,
+            "approx_kl_behavior": float(aggregate(kl_lag, m, "token-mean")),
+            "loss": float(loss),
+        }
+    return loss, metrics
+
+
+def truncated_is_weights(old_logp: Tensor, behavior_logp: Tensor, mask: Tensor,
+                         cap: float) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights w_t = min(pi_old(y_t) / mu(y_t), cap) for off-policy correction.
+
+    ``old_logp`` are the learner's log-probs before the update, ``behavior_logp``
+    the sampler's (``[N, T]``). The learner's PPO ratio is then taken against
+    pi_old and each token's loss is scaled by w (no gradient). In a synchronous
+    run pi_old and mu hold the same weights, so w measures sampler/learner
+    numeric mismatch; with stale samples it corrects the lag.
+
+    Metrics (masked tokens): ``tis_weight_mean``, ``tis_truncated_frac`` (share
+    of tokens at the cap), ``is_ratio_max`` (the untruncated max).
+    """
+    if cap <= 0:
+        raise ValueError(f"importance-sampling cap must be > 0, got {cap}")
+    m = mask.bool()
+    with torch.no_grad():
+        ratio = torch.exp(old_logp.float() - behavior_logp.float())  # [N, T]
+        weights = torch.where(m, ratio.clamp(max=cap), torch.zeros((), dtype=ratio.dtype))  # [N, T]
+        num = int(m.sum())
+        metrics = {
+            "tis_weight_mean": float(weights.sum()) / max(num, 1),
+            "tis_truncated_frac": float(((ratio > cap) & m).sum()) / max(num, 1),
+            "is_ratio_max": float(ratio[m].max()) if num else 0.0,
+        }
+    return weights, metrics
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float | None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), token mean over ``mask``.
+
+    V_clip = V_old + clamp(V - V_old, -clip, clip) keeps the critic from moving
+    far from the values the advantages were computed with; ``clip=None`` gives
+    the plain squared error. All inputs ``[N, T]``. Metrics: ``value_loss``,
+    ``value_clip_fraction`` (tokens where the clipped term is the larger one).
+    """
+    v = values.float()
+    r = returns.float()
+    err = (v - r) ** 2
+    if clip is None:
+        per_token = err
+        clipped_frac = torch.zeros(())
+    else:
+        v_clip = old_values.float() + torch.clamp(v - old_values.float(), -clip, clip)
+        err_clip = (v_clip - r) ** 2
+        per_token = torch.maximum(err, err_clip)
+        clipped_frac = ((err_clip > err) & mask.bool()).sum() / mask.bool().sum().clamp(min=1)
+    loss = 0.5 * aggregate(per_token, mask, "token-mean")
+    return loss, {"value_loss": float(loss.detach()), "value_clip_fraction": float(clipped_frac)}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over masked tokens: 1 = perfect critic, 0 = no better than a constant.
+
+    NaN when the returns have zero variance (explained variance is undefined
+    then; it is reported, not hidden).
+    """
+    m = mask.bool()
+    r = returns.float()[m]
+    v = values.float()[m]
+    var_r = r.var(unbiased=False)
+    return float(1.0 - (r - v).var(unbiased=False) / var_r) if float(var_r) > 0 else float("nan")

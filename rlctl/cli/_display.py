@@ -41,15 +41,32 @@ class TrainDisplay:
         self._warm = None
         self._steps = None
         self.run_id: str | None = None
+        self.label = "RL"  # the estimator's name once the run is known
         self.every = 1
         self.first = 0
         self._t0 = self._warm_t0 = time.monotonic()
 
     def __enter__(self) -> "TrainDisplay":
+        import warnings
+
         self.progress.start()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):  # type: ignore[no-untyped-def]
+            from rlctl.models.warm_start import WarmStartWarning
+
+            if issubclass(category, WarmStartWarning):
+                self.warning(str(message))
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._warnings.__exit__(*exc)
         self.progress.stop()
 
     def callbacks(self) -> TrainCallbacks:
@@ -61,26 +78,32 @@ class TrainDisplay:
         if self.enabled:
             self.console.print(text, soft_wrap=True, markup=False, highlight=False, emoji=False)
 
-    def warm_start(self, step: int, total: int, loss: float) -> None:
+    def warm_start(self, step: int, total: int, loss: float, dev_accuracy: float | None = None) -> None:
         if self.plain:
             every = max(1, total // WARM_START_LINES)
             if step == 1:
                 self._warm_t0 = time.monotonic()
-            if step % every == 0 or step == total:
+            if dev_accuracy is not None:  # a dev check of the warm start's stopping target: always a line
+                self.line(f"warm start (SFT) {step}/{total}  loss {loss:.3f}  dev accuracy {dev_accuracy:.1%}")
+            elif step % every == 0 or step == total:
                 self.line(f"warm start (SFT) {step}/{total}  loss {loss:.3f}  "
                           f"{_timing(time.monotonic() - self._warm_t0, step, total)}")
             return
         if self._warm is None:
             self._warm = self.progress.add_task("warm start (SFT)", total=total, info="")
-        self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}")
+            self._dev = ""
+        if dev_accuracy is not None:
+            self._dev = f"  dev {dev_accuracy:.1%}"
+        self.progress.update(self._warm, completed=step, info=f"loss {loss:.3f}{self._dev}")
 
     def run_started(self, run: RunRecord) -> None:
         self.run_id = run.id
+        self.label = str(run.config.get("algo", {}).get("name", "rl")).upper()  # the estimator: GRPO, PPO, ...
         if self.plain:
             self.line(f"run {run.id} -> {run.run_dir}")
             return
         self.progress.console.print(f"run [bold]{run.id}[/] -> {run.run_dir}")
-        self._steps = self.progress.add_task("GRPO", total=self.total, info="")
+        self._steps = self.progress.add_task(self.label, total=self.total, info="")
 
     def start(self, first_step: int, total_steps: int, log_every: int = 1) -> None:
         self.total, self.every, self.first = total_steps, max(1, log_every), first_step
@@ -102,7 +125,7 @@ class TrainDisplay:
             if step % self.every == 0 or step == self.total - 1:
                 done = step + 1 - self.first
                 timing = _timing(time.monotonic() - self._t0, done, self.total - self.first)
-                self.line(f"GRPO step {step + 1}/{self.total}  {info}  {timing}")
+                self.line(f"{self.label} step {step + 1}/{self.total}  {info}  {timing}")
             return
         self.progress.update(self._steps, completed=step + 1, info=info)
 

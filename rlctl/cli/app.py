@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import typer
 
+from rlctl.cli import ablate as ablate_cli
 from rlctl.cli import checkpoints as checkpoints_cli
 from rlctl.cli import dryrun as dryrun_cli
 from rlctl.cli import eval as eval_cli
@@ -39,6 +40,7 @@ def build_app(with_plugins: bool = True) -> typer.Typer:
     app.command("eval")(eval_cli.eval_cmd)
     app.command("dryrun")(dryrun_cli.dryrun)
     app.command("profile")(profile_cli.profile)
+    app.command("ablate")(ablate_cli.ablate)
     app.add_typer(runs_cli.app, name="runs")
     app.add_typer(plugins_cli.app, name="plugins")
     app.add_typer(registry_cli.app, name="registry")

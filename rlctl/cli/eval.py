@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 import typer
 
@@ -11,19 +11,29 @@ from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry
 from rlctl.contracts.types import EvalRecord
 
 
-def eval_cmd(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
+def eval_cmd(runs: Optional[List[str]] = typer.Argument(None, help="Run id(s) (or unique prefixes); several runs "
+                                                        "(RL seeds) get a per-run and a pooled CI."),
+             group: Optional[str] = typer.Option(None, "--group", help="Every run of this seed group "
+                                                 "(printed by `rlctl train --seeds N`)."),
              split: Optional[str] = typer.Option(None, "--split", help="dev or hidden (default: the run's eval.split)."),
              num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="Evaluate the first N prompts."),
              registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Greedy pass@1 with fixed decoding, paired bootstrap 95% CI of final - start."""
+    """Greedy pass@1 with fixed decoding, paired bootstrap 95% CI of final - start (pooled over several runs)."""
     from rlctl.contracts.errors import ConfigError
     from rlctl.hooks.manager import load_plugins
     from rlctl.ops.evaluate import evaluate_run
 
     if split not in (None, "dev", "hidden"):
         raise ConfigError(f"--split must be dev or hidden, got {split!r}", "use --split hidden")
+    if not runs and group is None:
+        raise typer.BadParameter("name a RUN (or several), or pass --group G", param_hint="RUNS")
+    if group is not None or len(runs or []) > 1:
+        from rlctl.cli.seeds import eval_group
+
+        eval_group(runs or [], group, split, num_prompts, registry, json_out)
+        return
     with open_registry(registry) as reg:
-        record, details = evaluate_run(reg, load_plugins(), run, split=split, num_prompts=num_prompts)
+        record, details = evaluate_run(reg, load_plugins(), runs[0], split=split, num_prompts=num_prompts)
     if json_out:
         _output.print_json({"eval": record})
     else:

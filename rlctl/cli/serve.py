@@ -6,7 +6,10 @@ behind the SGLang native API subset the sglang plugin uses (rlctl.serve).
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -16,16 +19,46 @@ app = typer.Typer(help="Serve rlctl engines over HTTP (SGLang-compatible API).",
 @app.command("rollout")
 def rollout(
     model: Path = typer.Option(..., "--model", help="Hugging Face model directory (e.g. from `rlctl sft`)."),
-    port: int = typer.Option(30000, "--port", help="TCP port; 0 picks a free one (printed on start)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; keep 127.0.0.1 unless you need more."),
+    port: int = typer.Option(30000, "--port", min=0, max=65535, help="TCP port; 0 picks a free one (printed on start)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLCTL_SERVE_API_KEY", show_envvar=True,
+                                          help="Require `Authorization: Bearer KEY` on every route (SGLang's "
+                                               "convention). Prefer the environment variable: argv is public."),
+    weights_root: Optional[Path] = typer.Option(None, "--weights-root", help="Load weights "
+                                                "(/update_weights_from_disk model_path) only from under this "
+                                                "directory, e.g. the trainer's rollout.options.publish_dir."),
     backend: str = typer.Option("local", "--backend", help="Registered rollout backend that does the sampling."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed of the engine."),
-    batch_wait_ms: float = typer.Option(5.0, "--batch-wait-ms", help="How long to collect requests into a batch."),
+    batch_wait_ms: float = typer.Option(5.0, "--batch-wait-ms", min=0.0, help="How long to collect requests "
+                                        "into a batch."),
+    max_batch_rows: int = typer.Option(256, "--max-batch-rows", min=1, help="Rows per engine batch, shared "
+                                       "evenly among waiting requests."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Cap on "
+                                                 "sampling_params.max_new_tokens (default 1024, and at most the "
+                                                 "model's positions - 1)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", min=1, help="Sequences per /generate "
+                                              "request, n copies included (default 512)."),
+    max_body_mb: Optional[float] = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit "
+                                                "in MiB (default 8)."),
+    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; "
+                                        "more get 503."),
+    read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections "
+                                         "are closed after this."),
     verbose: bool = typer.Option(False, "--verbose", help="Log every HTTP request to stderr."),
 ) -> None:
     """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
-    from rlctl.serve.server import build_service, serve
+    from rlctl.serve.server import HttpOptions, build_service, check_exposure, serve
 
-    service = build_service(model, backend=backend, seed=seed, max_wait_s=batch_wait_ms / 1000.0)
-    serve(service, host, port, verbose=verbose,
+    check_exposure(host, api_key)  # before the model loads: refusing should be instant
+    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, read_timeout_s=read_timeout_s)
+    service = build_service(model, backend=backend, seed=seed, max_wait_s=batch_wait_ms / 1000.0,
+                            max_batch_rows=max_batch_rows, weights_root=weights_root, max_new_tokens=max_new_tokens,
+                            max_prompts=max_prompts,
+                            max_body_bytes=None if max_body_mb is None else int(max_body_mb * (1 << 20)))
+    serve(service, host, port, http=http, verbose=verbose,
           ready=lambda url: typer.echo(f"rlctl serve rollout: listening on {url} (model {model})"))
+    # Shut down cleanly above (work cancelled, engine thread joined, socket closed); skip the interpreter's
+    # teardown of torch, which takes seconds on a busy machine and would stretch SIGTERM past a few seconds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -23,12 +23,16 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
           run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the run's files go."),
           resume: Optional[str] = typer.Option(None, "--resume", help="Continue this run (id or unique prefix) "
                                                "from its newest committed checkpoint instead of starting a new one."),
-          allow_config_change: bool = AllowChangeOpt, registry: Optional[str] = RegistryOpt,
-          json_out: bool = JsonOpt) -> None:
+          allow_config_change: bool = AllowChangeOpt,
+          seeds: Optional[int] = typer.Option(None, "--seeds", min=1, max=32, help="Run N RL seeds from the same "
+                                              "warm start and report them together (default: train.seeds)."),
+          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Train a policy: rollout -> reward -> advantage -> update -> weight sync, for train.steps steps."""
     if resume is not None:
         if run_dir is not None:
             raise typer.BadParameter("--run-dir cannot be combined with --resume (a run keeps its directory)")
+        if seeds is not None:
+            raise typer.BadParameter("--seeds cannot be combined with --resume (resume continues one run)")
         if config is not None and "=" in config.name and not config.exists():  # `train --resume RUN k=v`
             config, overrides = None, [str(config), *(overrides or [])]
         run_resume(resume, config, overrides or [], allow_config_change, registry, json_out)
@@ -41,6 +45,12 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
 
     cfg = load_config(config, overrides or [])
     plugins = load_plugins()
+    num_seeds = seeds if seeds is not None else cfg.train.seeds
+    if num_seeds > 1:
+        from rlctl.cli.seeds import run_seeds
+
+        run_seeds(cfg, num_seeds, plugins, run_dir, registry, json_out)
+        return
     run_and_render(cfg.train.steps, registry, json_out, lambda reg, cb: run_train(
         cfg, registry=reg, plugins=plugins, home=rlctl_home(), run_dir=run_dir, callbacks=cb))
 

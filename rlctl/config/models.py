@@ -28,9 +28,20 @@ class WarmStartConfig(_Strict):
     """Short supervised stage that gives the built-in tiny model a starting policy."""
 
     enabled: bool = Field(True, description="Run SFT before RL when the model is built in.")
-    steps: int = Field(600, ge=0, description="Supervised optimizer steps.")
+    steps: int = Field(600, ge=0, description="Supervised optimizer steps; with target_dev_accuracy, the cap.")
     batch_size: int = Field(64, ge=1, description="Sequences per SFT step.")
-    lr: float = Field(3e-3, gt=0, description="Peak SFT learning rate (cosine decay).")
+    lr: float = Field(3e-3, gt=0, description="Peak SFT learning rate (cosine decay over `steps`).")
+    target_dev_accuracy: float | None = Field(
+        None, gt=0, le=1, description="Stop as soon as greedy exact-answer accuracy on the first eval_prompts dev "
+        "prompts reaches this (checked every eval_every steps), so every CPU starts RL from about the same "
+        "policy; a warning says so when `steps` is reached first. null = run exactly `steps` steps.",
+    )
+    eval_every: int = Field(100, ge=1, description="Steps between dev checks of target_dev_accuracy.")
+    eval_prompts: int = Field(300, ge=1, description="Dev prompts in each check of target_dev_accuracy.")
+    seed: int | None = Field(
+        None, description="Seed of the warm start's init and data order; null = run.seed. Runs with different "
+        "run.seed and the same warm_start.seed share one cached warm start (rlctl train --seeds does this).",
+    )
 
 
 class ModelConfig(_Strict):
@@ -114,28 +125,49 @@ class KLConfig(_Strict):
     placement: Literal["loss", "reward"] = Field("loss", description="Add to the loss or subtract from the reward.")
 
 
+class CriticConfig(_Strict):
+    """The value model of estimators that need one (``algo.name: ppo``): its own learner role and optimizer."""
+
+    init: str = Field("policy", description="'policy' starts the value model from the policy's weights; "
+                      "otherwise a local Hugging Face causal-LM directory of the same tokenizer.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    value_clip: float | None = Field(0.2, gt=0, description="Clip of the value update around the old values; "
+                                     "null = unclipped squared error.")
+    warmup_steps: int = Field(0, ge=0, description="RL steps that train only the critic (the policy is frozen) "
+                              "so its first advantages are not noise.")
+    epochs: int = Field(1, ge=1, le=8, description="Critic passes over each batch.")
+
+
 class AlgoConfig(_Strict):
-    name: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
-    group_size: int = Field(8, description="G: samples per prompt (>= 2 for a group baseline).")
+    name: str = Field("grpo", description="Registered advantage estimator (grpo, dr_grpo, rloo, reinforce_pp, "
+                      "gspo, dapo, ppo; see `rlctl plugins`).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the estimator.")
+    group_size: int = Field(8, ge=1, description="G: samples per prompt (>= 2 for estimators with a group "
+                            "baseline; ppo and reinforce_pp accept 1).")
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per step; batch = B x G.")
-    normalize_std: bool = Field(True, description="Divide group advantages by the group std.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side).")
-    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (DAPO clip-higher); default = clip_eps.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses reduce to a scalar: mean over all tokens, mean of per-sequence means, or per-sequence sums over max_tokens."
+    normalize_std: bool = Field(True, description="grpo: divide group advantages by the group std.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side); gspo and dapo take theirs "
+                            "from algo.options (clip_low, clip_high).")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); default = clip_eps.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
+        None, description="How per-token losses reduce to a scalar (sequence vs token); null = the estimator's "
+        "default (token-mean; dr_grpo: seq-mean-token-sum-norm)."
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: weight each token's loss by "
+        "min(pi_old / mu, cap) with the learner's pre-update log-probs pi_old and the sampler's mu (metrics "
+        "tis_weight_mean, tis_truncated_frac); null = off (the PPO ratio is taken against mu directly)."
     )
     ppo_epochs: int = Field(1, ge=1, le=8, description="Passes over each batch.")
     num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward (grad accumulation).")
     kl: KLConfig = Field(default_factory=KLConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AlgoConfig":
-        if self.group_size < 2:
-            raise ValueError(
-                f"algo.group_size must be >= 2 for GRPO's group baseline (got {self.group_size}); "
-                "set algo.group_size=8"
-            )
         batch = self.group_size * self.prompts_per_step
         if batch % self.num_mini_batches:
             raise ValueError(
@@ -143,6 +175,7 @@ class AlgoConfig(_Strict):
                 f"{batch} sequences (prompts_per_step x group_size); pick a divisor"
             )
         return self
+
 
 
 class OptimConfig(_Strict):
@@ -154,8 +187,29 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps.")
 
 
+class MetricSinkSpec(_Strict):
+    """A metric sink with options, e.g. ``{name: mlflow, options: {experiment: arith}}``."""
+
+    name: str = Field(description="Registered metric sink name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the sink.")
+
+
+def sink_specs(entries: list[str | MetricSinkSpec]) -> list[tuple[str, dict[str, Any]]]:
+    """``train.metric_sinks`` as (name, options) pairs; a bare name has no options."""
+    return [(e, {}) if isinstance(e, str) else (e.name, e.options) for e in entries]
+
+
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps.")
+    seeds: int = Field(
+        1, ge=1, le=32, description="RL seeds run one after another from the same warm start (run.seed, run.seed+1, "
+        "...), each its own run, reported together with a pooled CI; `rlctl train --seeds N` overrides it.",
+    )
+    max_generated_tokens: int | None = Field(
+        None, ge=1, description="Stop after the step at which the run's generated response tokens (dropped DAPO "
+        "groups included) reach N, even before train.steps; null = train.steps only. Equal-budget comparisons "
+        "(rlctl ablate) use it."
+    )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="Where the learner's model, "
@@ -164,7 +218,11 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
                            "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
-    metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Extra metric sinks.")
+    metric_sinks: list[str | MetricSinkSpec] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Metric sinks besides the registry: a name (jsonl, tensorboard, mlflow, wandb) or "
+        "{name, options} with options validated by that sink.",
+    )
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."

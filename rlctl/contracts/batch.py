@@ -36,6 +36,7 @@ class TrainBatch:
     trajectory_ids: tuple[str, ...]
     policy_versions: tuple[int, ...]
     ref_logprobs: Tensor | None = None  # [N, T] when the KL reference is used
+    old_logprobs: Tensor | None = None  # [N, T] learner's pre-update log-probs (truncated importance sampling)
 
     @property
     def num_sequences(self) -> int:
@@ -51,6 +52,7 @@ class TrainBatch:
             action_mask=move(self.action_mask), behavior_logprobs=move(self.behavior_logprobs),
             advantages=move(self.advantages), sampling=self.sampling, trajectory_ids=self.trajectory_ids,
             policy_versions=self.policy_versions, ref_logprobs=move(self.ref_logprobs),
+            old_logprobs=move(self.old_logprobs),
         )
 
     def select(self, rows: Any) -> "TrainBatch":
@@ -67,4 +69,23 @@ class TrainBatch:
             trajectory_ids=tuple(self.trajectory_ids[i] for i in idx),
             policy_versions=tuple(self.policy_versions[i] for i in idx),
             ref_logprobs=take(self.ref_logprobs),
+            old_logprobs=take(self.old_logprobs),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdvantageInputs:
+    """What an advantage estimator reads for one step: B prompts x G samples, N = B * G rows.
+
+    Rows are grouped (the G samples of prompt b are rows b*G .. b*G+G-1).
+    ``token_kl`` is the per-token KL(pi_old || ref) estimate when the KL goes
+    into the reward (else None; ``kl_coef`` scales it); ``values`` the
+    critic's per-token values when the estimator needs a critic.
+    """
+
+    rewards: Any  # [B, G] float32, NaN allowed where not valid
+    valid: Any  # [B, G] bool
+    action_mask: Any  # [N, T] float, 1 on response tokens
+    token_kl: Any | None = None  # [N, T]
+    kl_coef: float = 0.0
+    values: Any | None = None  # [N, T]

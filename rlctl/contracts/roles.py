@@ -33,7 +33,7 @@ from rlctl.contracts.types import (
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
-    from rlctl.contracts.batch import TrainBatch
+    from rlctl.contracts.batch import AdvantageInputs, TrainBatch
 
 
 @runtime_checkable
@@ -216,10 +216,78 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Turns one step's rewards into per-token advantages, and says which policy loss goes with them.
+
+    ``policy_loss`` is "token" (PPO clip per token) or "sequence" (GSPO);
+    ``loss_agg`` the default aggregation when the config leaves it unset;
+    ``clip`` (low, high) overrides algo.clip_eps when not None; ``needs_critic``
+    asks the engine for a value model; ``kl_in_token_rewards`` means the
+    estimator consumes per-token KL itself (else the engine subtracts the
+    sequence KL from the rewards when the KL goes into the reward);
+    ``max_sample_rounds`` bounds the rollout rounds of one step when
+    ``keep_groups`` drops groups (1 = no refill); ``min_group_size`` is the
+    smallest G it works with (2 for a group baseline).
+    """
+
+    policy_loss: str
+    loss_agg: str
+    clip: tuple[float, float] | None
+    needs_critic: bool
+    kl_in_token_rewards: bool
+    max_sample_rounds: int
+    min_group_size: int
+
+    def shape_rewards(self, rewards: Any, lengths: Any, max_tokens: int) -> Any:
+        """Rewards ``[B, G]`` after length shaping (identity for most estimators)."""
+        ...
+
+    def keep_groups(self, rewards: Any, valid: Any) -> Any:
+        """``[B]`` bool: the groups worth training on (all of them unless the estimator filters)."""
+        ...
+
+    def advantages(self, inputs: "AdvantageInputs") -> tuple[Any, Mapping[str, float]]:
+        """Per-token advantages ``[N, T]`` (0 outside the action mask) and statistics to log."""
+        ...
+
+    def value_targets(self, inputs: "AdvantageInputs") -> Any:
+        """The critic's regression targets ``[N, T]`` (None when ``needs_critic`` is False)."""
+        ...
+
+
+@runtime_checkable
+class CriticBackend(Protocol):
+    """Owns the value model (a scalar head on the policy's architecture) and its own optimizer."""
+
+    def values(self, batch: "TrainBatch") -> Any:
+        """V(s_t) for every token t of the batch, ``[N, T]`` fp32, 0 outside the action mask."""
+        ...
+
+    def train_step(self, batch: "TrainBatch", returns: Any, old_values: Any) -> Mapping[str, float]:
+        """Regress the values onto ``returns`` ``[N, T]`` (clipped around ``old_values``); return metrics."""
+        ...
+
+    def resident_tensors(self) -> Mapping[str, Any]:
+        """Tensors held between steps, by memory-ledger term (``"critic parameters"``, ``"critic gradients"``,
+        ``"critic optimizer states"``); the dry run measures them against its ledger."""
+        ...
+
+    def state(self) -> Mapping[str, Any]:
+        """Weights, optimizer and generator state as a tree of JSON data and tensors (private copies)."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore exactly what ``state`` returned; raise CheckpointError if it does not fit."""
+        ...
+
+
 ROLE_PROTOCOLS: dict[str, type] = {
     "task_source": TaskSource,
     "rollout_backend": RolloutBackend,
     "reward_function": RewardFunction,
     "learner_backend": LearnerBackend,
     "metric_sink": MetricSink,
+    "advantage_estimator": AdvantageEstimator,
+    "critic_backend": CriticBackend,
 }

@@ -434,6 +434,7 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
             "rng": state_codec.encode(learner.rng, "learner_rng", tensors), "counters": dict(learner.counters),
         },
         "rollout": state_codec.encode(state.rollout, "rollout", tensors),
+        "critic": state_codec.encode(state.critic, "critic", tensors),
         "cursor": dict(state.cursor), "rng": state_codec.encode(state.rng, "rng", tensors),
         "shadow": {"sampling": dataclasses.asdict(state.shadow.sampling)}, "metrics": dict(state.metrics),
     }
@@ -471,6 +472,7 @@ def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
         run_id=body["run_id"], config=body["config"], config_hash=body["config_hash"],
         code_version=body["code_version"], dataset_version=body["dataset_version"],
         tokenizer_hash=body["tokenizer_hash"], tokenizer_dir=str(path / "model"), metrics=body["metrics"],
+        critic=state_codec.decode(body.get("critic"), tensors),  # absent in checkpoints from before critics
     )
 
 

@@ -84,3 +84,34 @@ def paired_bootstrap(baseline: Sequence[int], candidate: Sequence[int], samples:
     low = means[int(0.025 * samples)]
     high = means[min(samples - 1, int(0.975 * samples))]
     return Comparison(diff=sum(diffs) / n, ci_low=low, ci_high=high, num_prompts=n)
+
+
+def pooled_bootstrap(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], samples: int = 2000,
+                     seed: int = 0) -> Comparison:
+    """95% CI of the mean paired difference over several RL seeds, by a hierarchical bootstrap.
+
+    ``pairs`` holds one (baseline, candidate) score list pair per seed, all on
+    the same prompts in the same order. Each resample draws the seeds with
+    replacement, then the prompts with replacement, the same prompts for every
+    drawn seed (a prompt's difficulty is shared by the seeds, so it stays
+    paired), and takes the mean candidate - baseline over the drawn cells. The
+    interval therefore covers both prompt sampling and seed-to-seed variation;
+    with one seed it is the paired bootstrap over prompts.
+    """
+    import numpy as np
+
+    if not pairs:
+        raise ValueError("pooled bootstrap needs at least one seed")
+    n = len(pairs[0][0])
+    if n == 0 or any(len(b) != n or len(c) != n for b, c in pairs):
+        raise ValueError("pooled bootstrap needs equally long, non-empty score lists for every seed")
+    diffs = np.array([[c - b for b, c in zip(base, cand)] for base, cand in pairs], dtype=np.float64)  # [S, N]
+    rng = np.random.default_rng(seed)
+    s = len(pairs)
+    means = np.empty(samples)
+    for i in range(samples):
+        rows = diffs[rng.integers(0, s, s)]
+        means[i] = rows[:, rng.integers(0, n, n)].mean()
+    means.sort()
+    return Comparison(diff=float(diffs.mean()), ci_low=float(means[int(0.025 * samples)]),
+                      ci_high=float(means[min(samples - 1, int(0.975 * samples))]), num_prompts=n)

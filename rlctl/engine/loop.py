@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
-from rlctl.engine.batching import build_batch, group_rewards
+from rlctl.engine.batching import build_batch
+from rlctl.engine.estimation import estimate, sample_groups
 from rlctl.engine.metrics import step_metrics
-from rlctl.engine.scoring import score_all
 from rlctl.engine.session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,22 +41,25 @@ class LoopSpec:
     steps: int  # total steps of the run (a resumed run starts later, ends here)
     prompts_per_step: int  # B
     group_size: int  # G
-    normalize_std: bool = True  # divide group advantages by the group std
     truncation_penalty: float | None = 0.0  # reward of a response cut at max_tokens (None: graded as is)
+    max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
     kl_coef: float = 0.0
     kl_placement: Literal["reward", "loss"] = "loss"  # "loss" is the learner's business
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     log_every: int = 1  # sinks get every log_every-th step and the last one
     mode: Literal["sync"] = "sync"  # later: one-step-off / async
     max_staleness: int = 0  # policy versions a sample may lag behind (0 in sync mode)
+    max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
+    critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
 
     @classmethod
     def from_config(cls, config: "RunConfig") -> "LoopSpec":
         a = config.algo
         return cls(steps=config.train.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
-                   normalize_std=a.normalize_std, truncation_penalty=config.rollout.truncation_penalty,
+                   truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
                    kl_coef=a.kl.coef, kl_placement=a.kl.placement, kl_estimator=a.kl.estimator,
-                   log_every=config.train.log_every)
+                   log_every=config.train.log_every, max_generated_tokens=config.train.max_generated_tokens,
+                   critic_warmup_steps=a.critic.warmup_steps)
 
 
 def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
@@ -66,56 +69,57 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
     A resumed run passes the restored session and ``start_step`` = the
     checkpoint's completed steps.
     """
-    from rlctl.algo.kl import kl_shaped_rewards
-
     s = session
     answers = {r.id: r.answer for r in s.task.train}
     encoded: dict[str, tuple[int, ...]] = {}
     metrics: dict[str, float] = {}
+    total_generated = 0.0  # counted from start_step: a resumed run's budget restarts there
+
+    def request(p) -> RolloutRequest:
+        return RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
+                              group_size=spec.group_size, sampling=s.sampling, dataset_version=s.task.version)
+
     for step in range(start_step, spec.steps):
-        t0 = time.perf_counter()
-        prompts = s.cursor.next(spec.prompts_per_step)
-        requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
-                                   group_size=spec.group_size, sampling=s.sampling,
-                                   dataset_version=s.task.version) for p in prompts]
-        trajectories = s.rollout.generate(requests)
-        t1 = time.perf_counter()
-        scored, verify_latencies = score_all(trajectories, answers, s.reward, spec.truncation_penalty)
+        sampled = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
+                                answers=answers, estimator=s.estimator, num_prompts=spec.prompts_per_step,
+                                group_size=spec.group_size, max_tokens=spec.max_tokens,
+                                truncation_penalty=spec.truncation_penalty)
+        scored = sampled.scored
         t2 = time.perf_counter()
-        rewards, valid = group_rewards(scored, spec.group_size)  # [B, G]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-        if spec.kl_coef > 0 and spec.kl_placement == "reward":
-            ref = s.learner.ref_logprobs(batch)  # [N, T]
-            rewards = kl_shaped_rewards(rewards, batch.behavior_logprobs, ref, batch.action_mask, spec.kl_coef,
-                                        spec.kl_estimator)
-        advantages, adv_stats = compute_advantages(rewards, valid, spec)  # [B, G]
-        per_token = advantages.reshape(-1, 1).float() * (batch.action_mask > 0)  # [N, T]: the sequence's, broadcast
-        batch = replace(batch, advantages=per_token)
+        est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
+                       kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
+                       ref_logprobs=s.learner.ref_logprobs, values=s.critic.values if s.critic else None)
+        total_generated += sampled.num_generated_tokens
+        advantages = est.advantages  # [N, T]
+        adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
+        batch = replace(batch, advantages=advantages.float())
         trained_version = s.learner.policy_version  # unchanged by train_step when every update is skipped
-        learner_stats = s.learner.train_step(batch)
+        learner_stats: dict[str, float] = {}
+        if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
+            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
+            learner_stats.update(s.learner.train_step(batch))
         t3 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
         t4 = time.perf_counter()
         metrics = step_metrics(
-            scored=scored, learner_stats=learner_stats, adv_stats=adv_stats, advantages=advantages,
-            verify_latencies=verify_latencies, learner_version=s.learner.policy_version,
-            times={"T_r": t1 - t0, "T_v": t2 - t1, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
+            scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
+            advantages=advantages.abs().sum(-1),  # [N]: nonzero on the sequences that carry signal
+            verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
+            times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
         )
-        if step % spec.log_every == 0 or step == spec.steps - 1:
+        spent = spec.max_generated_tokens is not None and total_generated >= spec.max_generated_tokens
+        if step % spec.log_every == 0 or step == spec.steps - 1 or spent:
             for sink in sinks:
                 sink.write(step, metrics)
         if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
             checkpoint.after_step(step + 1, metrics)
         if observer is not None:
             observer(step, metrics)
+        if spent:
+            break
     return metrics
-
-
-def compute_advantages(rewards: "Tensor", valid: "Tensor", spec: LoopSpec) -> tuple["Tensor", dict[str, float]]:
-    """Group-relative advantages [B, G] and their stats (the one place an estimator is chosen)."""
-    from rlctl.algo.advantages import grpo_advantages
-
-    return grpo_advantages(rewards, valid, normalize_std=spec.normalize_std)
 
 
 def _encode(session: Session, prompt_id: str, text: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:

@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlctl.config.models import RunConfig
-from rlctl.contracts.errors import DataError
-from rlctl.contracts.roles import LearnerBackend, RolloutBackend
-from rlctl.contracts.types import LearnerContext, RolloutContext, SamplingConfig, TaskData
+from rlctl.contracts.errors import ConfigError, DataError
+from rlctl.contracts.roles import AdvantageEstimator, CriticBackend, LearnerBackend, RolloutBackend
+from rlctl.contracts.types import (
+    CriticContext,
+    LearnerContext,
+    PolicyLoss,
+    RolloutContext,
+    SamplingConfig,
+    TaskData,
+)
 from rlctl.engine.batching import PromptCursor
 from rlctl.engine.reward_mix import MixedReward
 from rlctl.hooks.manager import Plugins
@@ -34,6 +41,8 @@ class Session:
     reward: MixedReward
     cursor: PromptCursor
     sampling: SamplingConfig
+    estimator: AdvantageEstimator
+    critic: CriticBackend | None = None  # the value model, when the estimator needs one
 
 
 def load_task(config: RunConfig, plugins: Plugins) -> TaskData:
@@ -63,6 +72,37 @@ def resolve_policy_dir(config: RunConfig, task: TaskData, cache_root: Path,
     if config.model.builtin:
         return builtin_policy_dir(config.model, task, config.run.seed, cache_root, progress)
     return check_model_dir(config.model.path)
+
+
+def build_estimator(config: RunConfig, plugins: Plugins) -> AdvantageEstimator:
+    """The advantage estimator named by ``algo.name``, its ``algo.options`` validated by its plugin."""
+    estimator = plugins.build("advantage_estimator", config.algo.name, config.algo.options, "algo.options",
+                              algo=config.algo)
+    if config.algo.group_size < estimator.min_group_size:
+        raise ConfigError(f"algo.group_size must be >= {estimator.min_group_size} for {config.algo.name}'s group "
+                          f"baseline (got {config.algo.group_size})", "set algo.group_size=8")
+    return estimator
+
+
+def policy_loss(config: RunConfig, estimator: AdvantageEstimator) -> PolicyLoss:
+    """The learner's loss: the estimator's kind and defaults, the config's explicit choices on top."""
+    a = config.algo
+    low, high = estimator.clip or (a.clip_eps, a.clip_eps_high or a.clip_eps)
+    return PolicyLoss(kind=estimator.policy_loss, clip_low=low, clip_high=high, agg=a.loss_agg or estimator.loss_agg,
+                      tis_cap=a.tis_cap)
+
+
+def build_critic(config: RunConfig, plugins: Plugins, policy_dir: Path) -> CriticBackend:
+    """The value model: the ``train.learner`` backend's critic, started from the policy or ``algo.critic.init``."""
+    from rlctl.models.load import check_model_dir
+
+    init = config.algo.critic.init
+    model_dir = policy_dir if init == "policy" else check_model_dir(init)
+    return plugins.build("critic_backend", config.train.learner, {}, "algo.critic",
+                         ctx=CriticContext(model_dir=str(model_dir), critic=config.algo.critic,
+                                           optim=config.train.optim, seed=config.run.seed,
+                                           micro_batch_size=config.algo.micro_batch_size,
+                                           deterministic=config.train.deterministic))
 
 
 def sampling_config(config: RunConfig) -> SamplingConfig:
@@ -101,6 +141,7 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
 
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
+    estimator = build_estimator(config, plugins)
     task = task or load_task(config, plugins)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
@@ -112,7 +153,10 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                             ctx=LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim,
                                                seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
                                                deterministic=config.train.deterministic,
-                                               device=config.train.device))
+                                               device=config.train.device,
+                                               policy_loss=policy_loss(config, estimator)))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
-                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config))
+                   cursor=PromptCursor(task.train, seed=config.run.seed), sampling=sampling_config(config),
+                   estimator=estimator,
+                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None)

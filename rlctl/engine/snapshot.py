@@ -112,6 +112,7 @@ def capture(session: Session, steps_done: int, metrics: Mapping[str, float], pro
         config_hash=provenance.config_hash, code_version=provenance.code_version,
         dataset_version=session.task.version, tokenizer_hash=session.tokenizer_hash,
         tokenizer_dir=str(session.policy_dir), metrics=dict(metrics),
+        critic=state_codec.clone(session.critic.state()) if session.critic is not None else None,
     )
 
 
@@ -122,6 +123,13 @@ def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -
         raise CheckpointError(f"learner backend {session.config.train.learner!r} cannot load a checkpoint",
                               "resume with the learner the run was trained with")
     learner.load_checkpoint_state(state.learner)
+    if (state.critic is None) != (session.critic is None):
+        raise CheckpointError(
+            "the checkpoint " + ("has no critic but this run needs one" if state.critic is None
+                                 else "holds a critic but this run's estimator uses none"),
+            "resume with the algo.name the run was trained with")
+    if session.critic is not None:
+        session.critic.load_state(state.critic)
     session.cursor.state = _cursor(state.cursor, len(session.cursor.records))
     drift = shadow_drift(learner, state.shadow)
     if not drift <= shadow_tolerance:

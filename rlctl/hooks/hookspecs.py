@@ -51,6 +51,16 @@ def register_learner_backends(register: Register) -> None:
 
 
 @hookspec
+def register_critic_backends(register: Register) -> None:
+    """Register critic backends: ``register(name, factory, options=Model|None)``.
+
+    ``factory(ctx: CriticContext)`` returns a CriticBackend (the value model of
+    estimators that need one, e.g. ``ppo``). The backend with the same name as
+    ``train.learner`` is used.
+    """
+
+
+@hookspec
 def register_reward_functions(register: Register) -> None:
     """Register reward functions: ``register(name, factory, options=Model|None)``.
 
@@ -59,10 +69,22 @@ def register_reward_functions(register: Register) -> None:
 
 
 @hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options, algo)`` returns an AdvantageEstimator; ``algo`` is the
+    run's resolved ``algo`` config section. The estimator named by
+    ``algo.name`` computes every step's advantages and picks the policy loss.
+    """
+
+
+@hookspec
 def register_metric_sinks(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, options=Model|None)``.
 
-    ``factory(run_dir, run_id)`` returns a MetricSink.
+    ``factory(options, run_dir, run_id)`` returns a MetricSink. The run's
+    provenance (config hash, seed, dataset version) is in ``<run_dir>/run.json``
+    when the factory is called.
     """
 
 

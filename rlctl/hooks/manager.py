@@ -36,8 +36,10 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "task_source": ("register_task_sources", "task_source", "task source"),
     "rollout_backend": ("register_rollout_backends", "rollout_backend", "rollout backend"),
     "learner_backend": ("register_learner_backends", "learner_backend", "learner backend"),
+    "critic_backend": ("register_critic_backends", "critic_backend", "critic backend"),
     "reward_function": ("register_reward_functions", "reward_function", "reward function"),
     "metric_sink": ("register_metric_sinks", "metric_sink", "metric sink"),
+    "advantage_estimator": ("register_advantage_estimators", "advantage_estimator", "advantage estimator"),
 }
 
 

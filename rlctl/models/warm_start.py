@@ -2,9 +2,14 @@
 
 What this is: a short SFT stage on the train split (loss on answer tokens
 only) that gives the tiny model a starting policy GRPO can improve, and the
-cache that makes it run once per (model shape, warm-start settings, dataset
-version, seed). The cache entry is written durably (temp dir, fsync, rename) with a
-``COMPLETE`` marker inside, so a killed warm start never leaves a half model.
+cache that makes it run once per (model shape, warm-start settings including
+the stopping rule, dataset version, seed). With ``target_dev_accuracy`` the
+stage stops on a dev-split target instead of a step count: a fixed step count
+lands at different accuracies on CPUs with different kernels, a target lands
+every CPU at about the same starting policy. The cache entry is written
+durably (temp dir, fsync, rename) with a ``COMPLETE`` marker inside, so a
+killed warm start never leaves a half model; ``warm_start.json`` in it
+records where the stage stopped and why.
 
 What this is not: a general SFT trainer for large models.
 """
@@ -14,19 +19,49 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlctl.config.models import ModelConfig
 from rlctl.contracts.types import PromptRecord, TaskData
 
-Progress = Callable[[int, int, float], None]  # (step, total, loss)
+# (step, total, loss) every step; a fourth argument, the dev accuracy, after each dev check
+Progress = Callable[..., None]
+INFO_FILE = "warm_start.json"
+
+
+class WarmStartWarning(UserWarning):
+    """The warm start hit its step cap before its dev-accuracy target (RL starts from a weaker policy)."""
+
+
+@dataclass(frozen=True)
+class SftResult:
+    steps: int  # optimizer steps taken
+    losses: list[float]
+    dev_accuracy: float | None = None  # at the last dev check (None: no target, no checks)
+    target: float | None = None
+    reached: bool | None = None  # None when there was no target
+
+
+def warm_start_seed(model: ModelConfig, seed: int) -> int:
+    """The warm start's own seed: ``model.warm_start.seed`` when set, else the run's seed."""
+    return model.warm_start.seed if model.warm_start.seed is not None else seed
 
 
 def warm_start_key(model: ModelConfig, task: TaskData, seed: int) -> str:
-    body = json.dumps({"model": model.model_dump(mode="json"), "task": task.version, "seed": seed,
-                       "format": 1}, sort_keys=True)
+    """Cache key over the model shape, every warm-start setting (stopping rule included), data and seed."""
+    dump = model.model_dump(mode="json")
+    dump["warm_start"]["seed"] = warm_start_seed(model, seed)
+    body = json.dumps({"model": dump, "task": task.version, "format": 2}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def cap_message(result: SftResult, cap: int) -> str:
+    return (f"the warm start stopped at its cap of {cap} steps with dev accuracy {result.dev_accuracy:.1%}, "
+            f"below its target {result.target:.0%}: RL starts from a weaker policy than the config intends; "
+            "raise model.warm_start.steps (or lower model.warm_start.target_dev_accuracy)")
 
 
 def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root: Path,
@@ -35,31 +70,64 @@ def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root
     from rlctl.models.load import build_tiny
     from rlctl.models.tokenizer import build_char_tokenizer
 
+    ws = model.warm_start
     target = cache_root / "warm_start" / warm_start_key(model, task, seed)
     if (target / "COMPLETE").is_file():
+        _warn_if_capped(target, ws.steps)
         return target
+    seed = warm_start_seed(model, seed)
     tokenizer = build_char_tokenizer()
     net = build_tiny(model, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
                      tokenizer.eos_token_id, seed)
-    if model.warm_start.enabled and model.warm_start.steps:
-        sft(net, tokenizer, task.train, steps=model.warm_start.steps, batch_size=model.warm_start.batch_size,
-            lr=model.warm_start.lr, seed=seed, progress=progress)
+    result = SftResult(steps=0, losses=[])
+    if ws.enabled and ws.steps:
+        result = sft(net, tokenizer, task.train, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
+                     progress=progress, dev=task.dev[:ws.eval_prompts] if ws.target_dev_accuracy else (),
+                     target=ws.target_dev_accuracy, eval_every=ws.eval_every)
     from rlctl.engine.durable import write_dir_durably
 
     def fill(tmp: Path) -> None:
         net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        info = {k: v for k, v in asdict(result).items() if k != "losses"}
+        info["final_loss"] = result.losses[-1] if result.losses else None
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         (tmp / "COMPLETE").write_text("ok\n")
 
     if not (target / "COMPLETE").is_file():  # another process may have built it meanwhile
         write_dir_durably(target, fill)
+    _warn_if_capped(target, ws.steps)
     return target
 
 
+def warm_start_info(policy_dir: Path) -> dict[str, Any] | None:
+    """Where a cached warm start stopped (steps, dev accuracy, target), or None for other model dirs."""
+    path = Path(policy_dir) / INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _warn_if_capped(directory: Path, cap: int) -> None:
+    info = warm_start_info(directory)
+    if info and info.get("reached") is False:
+        result = SftResult(steps=info["steps"], losses=[], dev_accuracy=info["dev_accuracy"], target=info["target"],
+                           reached=False)
+        warnings.warn(cap_message(result, cap), WarmStartWarning, stacklevel=2)
+
+
 def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: int, batch_size: int,
-        lr: float, seed: int, progress: Progress | None = None) -> list[float]:
-    """Teacher-forced cross-entropy on ``prompt -> answer<eos>``; returns the loss per step."""
+        lr: float, seed: int, progress: Progress | None = None, dev: Sequence[PromptRecord] = (),
+        target: float | None = None, eval_every: int = 100) -> SftResult:
+    """Teacher-forced cross-entropy on ``prompt -> answer<eos>`` for at most ``steps`` steps.
+
+    With ``target``, greedy exact-answer accuracy on ``dev`` is checked every
+    ``eval_every`` steps (and at the cap); training stops at the first check
+    that reaches it. The learning-rate schedule is always the one of ``steps``
+    steps, so where it stops does not change what the steps before did.
+    """
     import torch
+
+    if target is not None and not dev:
+        raise ValueError("a dev-accuracy target needs dev prompts")
 
     gen = torch.Generator().manual_seed(seed)
     encoded = [_encode(tokenizer, r) for r in records]
@@ -69,7 +137,8 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
     model.train()
-    losses = []
+    losses: list[float] = []
+    accuracy = None
     for step in range(steps):
         idx = torch.randint(len(encoded), (batch_size,), generator=gen).tolist()
         ids, labels, mask = _pad([encoded[i] for i in idx], tokenizer.pad_token_id)
@@ -86,8 +155,40 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
         losses.append(float(loss.detach()))
         if progress is not None:
             progress(step + 1, steps, losses[-1])
+        if target is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            accuracy = greedy_accuracy(model, tokenizer, dev)
+            model.train()
+            if progress is not None:
+                progress(step + 1, steps, losses[-1], accuracy)
+            if accuracy >= target:
+                break
     model.eval()
-    return losses
+    reached = None if target is None else accuracy is not None and accuracy >= target
+    return SftResult(steps=len(losses), losses=losses, dev_accuracy=accuracy, target=target, reached=reached)
+
+
+def greedy_accuracy(model: Any, tokenizer: Any, records: Sequence[PromptRecord], batch_size: int = 512) -> float:
+    """Share of ``records`` whose greedy answer (up to eos) equals the reference answer exactly."""
+    import torch
+
+    model.eval()
+    longest = max(len(tokenizer(r.answer, add_special_tokens=False)["input_ids"]) for r in records)
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(records), batch_size):
+            chunk = records[start:start + batch_size]
+            rows = [tokenizer(r.text)["input_ids"] for r in chunk]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):  # left padding: every row's next token is at the end
+                ids[i, width - len(row):] = torch.tensor(row)
+                mask[i, width - len(row):] = 1
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest + 1, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            correct += sum(text.strip() == r.answer for text, r in zip(texts, chunk))
+    return correct / len(records)
 
 
 def _encode(tokenizer: Any, record: PromptRecord) -> tuple[list[int], int]:

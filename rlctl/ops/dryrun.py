@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlctl.config.models import RunConfig
+from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
@@ -106,11 +106,14 @@ class DryrunReport:
 
 def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptions) -> DryrunReport:
     """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
+    from rlctl.engine.session import build_estimator
+
     checks, task, tokenizer, prompt_max = validate(config, plugins, home)
     shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
     gpu = options.device_memory_bytes is not None
     roles = role_memory(config, plugins, gpu_plan=gpu and (options.shape is not None or not config.model.builtin))
-    work = workload(config, options.prompt_tokens or prompt_max, roles)
+    critic = build_estimator(config, plugins).needs_critic
+    work = workload(config, options.prompt_tokens or prompt_max, roles, critic=critic)
     strat = strategy(options, roles, gpu=gpu)
     capacity = options.device_memory_bytes or host_memory_bytes()
     placements = {}
@@ -149,8 +152,14 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         comp = plugins.get(kind, name)
         validate_options(comp.options, opts, where)
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
-    for sink in config.train.metric_sinks:
-        plugins.get("metric_sink", sink)
+    for i, (sink, opts) in enumerate(sink_specs(config.train.metric_sinks)):
+        validate_options(plugins.get("metric_sink", sink).options, opts, f"train.metric_sinks.{i}.options")
+    from rlctl.engine.session import build_estimator
+
+    estimator = build_estimator(config, plugins)
+    checks.append(Check("plugin advantage_estimator", True, f"{config.algo.name!r} from "
+                        f"{plugins.get('advantage_estimator', config.algo.name).plugin}, options valid"
+                        + ("; needs a critic" if estimator.needs_critic else "")))
     reward = build_reward(config, plugins)
     checks.append(Check("reward", True, reward.version))
     task = load_task(config, plugins)
@@ -261,13 +270,14 @@ def learner_notes(config: RunConfig, plugins: Plugins, roles: RoleMemory, stage:
     return notes
 
 
-def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory) -> Workload:
+def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory, critic: bool = False) -> Workload:
     rows = config.algo.prompts_per_step * config.algo.group_size
     chunk = roles.rollout.max_rows or rows
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
                     rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
+                    critic=critic,
                     shared_prefill=roles.learner.shared_prefill and config.algo.group_size > 1)
 
 
@@ -327,6 +337,8 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     session.rollout = _Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
     session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
                                                        "ref_logprobs": "train"})
+    if session.critic is not None:
+        session.critic = _Phased(session.critic, meter, {"train_step": "critic", "values": "critic"})
     started = time.perf_counter()
     longest = [1.0]  # longest response the smoke steps actually generated
 
@@ -346,14 +358,16 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     strat = strategy(replace(options, shape=None, zero_stage=0), roles, gpu=False)  # allocator bytes only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max, roles), response_tokens=max(1, int(max(longest))))
+    observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None),
+                       response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
 
 
 def compare(dev: DeviceLedger, meter: "_Meter", wall: float, untrained: bool, steps: int,
             metrics: dict[str, float]) -> SmokeResult:
-    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks.get(p, 0)) for p in PHASES)
+    phases = tuple(PhaseComparison(p, dev.phase_bytes(p), meter.peaks[p]) for p in PHASES
+                   if p in meter.peaks)  # a run without a critic never enters the "critic" phase
     top = max(phases, key=lambda c: c.measured_bytes)
     peak = PhaseComparison(f"peak ({top.phase})", dev.peak_bytes, top.measured_bytes)
     persistent = {f"{t.role} {t.name}": t.bytes for t in dev.terms if t.phase == "persistent" and t.bytes}
@@ -498,7 +512,12 @@ def _live_mode(meter: _DispatchMeter) -> Any:
 
 def role_tensors(session: Any) -> list[Any]:
     """Every tensor the roles report holding between calls (parameters, gradients, optimizer state...)."""
-    return [t for role in (session.rollout, session.learner) for ts in role.resident_tensors().values() for t in ts]
+    return [t for role in _roles(session) for ts in role.resident_tensors().values() for t in ts]
+
+
+def _roles(session: Any) -> list[Any]:
+    """The roles holding tensors in this process: rollout, learner and (when the run has one) the critic."""
+    return [session.rollout, session.learner] + ([session.critic] if session.critic is not None else [])
 
 
 def persistent_bytes(session: Any) -> dict[str, int]:
@@ -509,7 +528,7 @@ def persistent_bytes(session: Any) -> dict[str, int]:
         return sum(seen.values())
 
     out = {}
-    for role in (session.rollout, session.learner):
+    for role in _roles(session):
         for term, tensors in role.resident_tensors().items():
             out[term] = size(tensors)
     return out

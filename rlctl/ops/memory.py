@@ -38,8 +38,9 @@ from rlctl.ops.shapes import ModelShape
 
 GiB = 1 << 30
 MiB = 1 << 20
-Phase = Literal["persistent", "rollout", "train", "sync"]
-PHASES: tuple[Phase, ...] = ("rollout", "train", "sync")
+# "critic" is the value model's update, which runs before (never during) the policy's "train".
+Phase = Literal["persistent", "rollout", "train", "critic", "sync"]
+PHASES: tuple[Phase, ...] = ("rollout", "train", "critic", "sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class Workload:
     rollout_rows: int  # sequences one rollout engine holds at once (all of them, or the engine's chunk)
     kl_reference: bool = False
     shared_prefill: bool = False  # the learner runs each prompt once per group and reuses its KV cache
+    critic: bool = False  # a value model (policy-sized backbone + scalar head) trains next to the policy
 
     @property
     def trained_tokens(self) -> int:
@@ -226,9 +228,36 @@ def learner_terms(shape: ModelShape, work: Workload, strat: Strategy, world: int
     ]
     if work.kl_reference:
         terms.append(Term("reference", "parameters", _div(p * b, shard(3)), "persistent", f"P x {b}B / {shard(3)}"))
-    terms.append(Term("critic", "none (GRPO)", 0, "persistent", "GRPO has no value model"))
+    if work.critic:
+        terms += critic_terms(shape, work, strat, world)
+    else:
+        terms.append(Term("critic", "none (GRPO)", 0, "persistent", "no value model"))
     terms.append(Term("reward", "none on device (rule rewards)", 0, "persistent", "graded on CPU"))
     return terms
+
+
+def critic_terms(shape: ModelShape, work: Workload, strat: Strategy, world: int) -> list[Term]:
+    """The value model: the policy's backbone without the LM head, plus a scalar head; its own AdamW.
+
+    It trains on the same micro-batches without the prompt-prefill sharing (one
+    forward per row) and materialises no vocabulary logits.
+    """
+    lm_head = 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
+    p = shape.num_params - lm_head + shape.hidden_size + 1  # scalar head: weight row + bias
+    b = strat.param_bytes
+    shard = lambda stage: world if strat.zero_stage >= stage else 1  # noqa: E731
+    opt_dev = 0 if strat.offload_optimizer else 1
+    master = 4 if strat.master_weights else 0
+    unshared = replace(work, shared_prefill=False)
+    return [
+        Term("critic", "parameters", _div(p * b, shard(3)), "persistent", f"P_backbone x {b}B / {shard(3)}"),
+        Term("critic", "gradients", _div(p * b, shard(2)), "persistent", f"P_backbone x {b}B / {shard(2)}"),
+        Term("critic", "optimizer states", opt_dev * _div(p * strat.optim_state_bytes, shard(1)), "persistent",
+             f"P_backbone x {strat.optim_state_bytes}B (AdamW m, v) / {shard(1)}"),
+        Term("critic", "master weights", opt_dev * _div(p * master, shard(1)), "persistent",
+             f"P_backbone x {master}B fp32 / {shard(1)}"),
+        Term("critic", "activations", activation_bytes(shape, unshared, strat), "critic", _act_formula(strat)),
+    ]
 
 
 def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: int) -> list[Term]:

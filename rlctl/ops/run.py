@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from rlctl.config.load import config_hash
-from rlctl.config.models import RunConfig
+from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import CheckpointError, RlctlError
 from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecord, RunRecord
 from rlctl.engine.rundir import RunDir, RunLock
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class TrainCallbacks:
     """Display hooks the CLI passes in; all optional."""
 
-    warm_start: Callable[[int, int, float], None] | None = None
+    warm_start: Callable[..., None] | None = None  # (step, total, loss), plus the dev accuracy after a dev check
     run_started: Callable[[RunRecord], None] | None = None
     step: Callable[[int, Mapping[str, float]], None] | None = None
     eval_progress: Callable[[str], None] | None = None
@@ -197,8 +197,9 @@ class Run:
                 if self.cb.run_started:
                     self.cb.run_started(self.record)
                 sinks = [RegistrySink(self.registry, run_id)] + [
-                    self.plugins.build("metric_sink", name, {}, f"train.metric_sinks.{i}", run_dir=self.dir.root,
-                                       run_id=run_id) for i, name in enumerate(config.train.metric_sinks)]
+                    self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
+                                       run_dir=self.dir.root, run_id=run_id)
+                    for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
                 checkpointer = self._checkpointer(session)
                 self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
                 if self.cb.start:

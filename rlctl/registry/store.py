@@ -190,6 +190,24 @@ class Registry:
             query = query.where(Run.status == status)
         return self._tx("list runs", lambda s: [_run_record(r) for r in s.scalars(query)])
 
+    def runs_in_group(self, group: str) -> list[str]:
+        """Ids of the runs that joined seed group ``group`` (a ``seed_group`` event), in the order they joined.
+
+        ``group`` may be a unique prefix of the group id.
+        """
+        query = (select(Event.run_id, Event.message).where(Event.kind == "seed_group")
+                 .where(Event.message.startswith(group, autoescape=True)).order_by(Event.id))
+
+        def read(s: Session) -> list[str]:
+            rows = s.execute(query).all()
+            groups = sorted({m for _, m in rows})
+            if len(groups) > 1:
+                raise RegistryError(f"group prefix {group!r} is ambiguous: it matches {', '.join(groups[:5])}",
+                                    hint="pass more of the group id")
+            return list(dict.fromkeys(r for r, _ in rows))
+
+        return self._tx(f"read group {group}", read)
+
     # -- metrics ----------------------------------------------------------
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None:

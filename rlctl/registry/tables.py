@@ -114,3 +114,36 @@ class Eval(Base):
     ci_high: Mapped[float]
     details: Mapped[dict[str, Any]]
     created_at: Mapped[float]
+
+
+class Ablation(Base):
+    """One ablation: a matrix of config cells x seeds compared at an equal generated-token budget.
+
+    ``spec_hash`` identifies the request (base config, axes, seeds, budget):
+    running the same request again continues this ablation.
+    """
+
+    __tablename__ = "ablations"
+
+    id: Mapped[str] = mapped_column(RUN_ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    spec_hash: Mapped[str] = mapped_column(String(128), index=True)
+    spec: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[float]
+    updated_at: Mapped[float]
+
+
+class AblationRun(Base):
+    """One (cell, seed) of an ablation and the run that computed it."""
+
+    __tablename__ = "ablation_runs"
+
+    ablation_id: Mapped[str] = mapped_column(RUN_ID, ForeignKey("ablations.id", ondelete="CASCADE"),
+                                             primary_key=True)
+    cell: Mapped[str] = mapped_column(String(255), primary_key=True)
+    seed: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    run_id: Mapped[str | None] = mapped_column(RUN_ID, ForeignKey("runs.id", ondelete="SET NULL"))
+    status: Mapped[str] = mapped_column(String(32))
+    wall_s: Mapped[float | None]
+    updated_at: Mapped[float]

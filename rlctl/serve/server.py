@@ -6,95 +6,225 @@ Routes (SGLang 0.5.x shapes):
     POST /update_weights_from_disk   model_path = an rlctl publish directory (manifest verified,
                                      delta applied) or a plain Hugging Face model directory
     GET|POST /flush_cache            nothing is cached across requests: always "Cache flushed."
-    GET /health, /health_generate    200 when the engine thread is alive
+    GET /health                      200 while the engine thread is alive
+    GET /health_generate             200 once a real one-token generation finished in time, else 503
     GET /get_model_info, /model_info model path, weight_version, plus an ``rlctl`` block with the
-                                     policy version, weight fingerprint and logprob semantics
+                                     policy version, weight fingerprint, logprob semantics and limits
     GET /get_server_info, /server_info  batching counters
 
-Weight updates run on the engine thread between batches and all-or-nothing
-(the backend checks the fingerprint), so a request never sees half-old,
-half-new weights; a refused update leaves the previous version serving and
-answers 400 with the reason (e.g. the corrupt shard's name).
+Weight updates are all or nothing: the candidate is read and checked whole
+(every shard's sha256 for a publish; the safetensors headers of a plain
+directory against the served names, shapes and dtypes before any tensor is
+read), then staged and swapped in on the engine thread between batches
+(rlctl.engine.weight_apply). A refused update answers 400 with the reason and
+leaves every served tensor and the reported fingerprint unchanged.
 
-What this is not: a production server; it binds 127.0.0.1 unless told otherwise.
+Hardening: limits checked at parse time (body bytes, prompts per request,
+prompt tokens, max_new_tokens, token ids, finite numbers, strict types; all
+400 naming the field); fair slices and per-request isolation in the engine
+worker; generation cancelled when the client disconnects or on shutdown;
+socket read timeouts, a bounded number of connection threads and a larger
+listen backlog; chunked bodies refused (411); every decoding error a 400.
+Trust: with ``api_key`` every route needs ``Authorization: Bearer KEY``
+(401 otherwise); binding a non-loopback address without a key is refused;
+on loopback a foreign ``Host`` is refused (DNS rebinding), any ``Origin``
+(a browser page) is refused, and request bodies must be application/json;
+``weights_root`` confines ``model_path``, and errors about paths outside it,
+or paths that are not weight directories, read the same whether they exist.
+
+What this is not: a production server (use SGLang itself on GPUs).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import itertools
 import json
+import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
-from rlctl.serve.sglang_api import LOGPROB_SEMANTICS, ApiError, generate_response, parse_generate, response_item
+from rlctl.serve.sglang_api import (
+    LOGPROB_SEMANTICS, ApiError, Limits, Row, generate_response, parse_generate, response_item,
+)
+from rlctl.serve.worker import Cancelled
+
+MAX_PATH_CHARS = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpOptions:
+    """Connection handling and trust settings of one server."""
+
+    api_key: str | None = None  # every route needs `Authorization: Bearer KEY` when set
+    max_connections: int = 64  # connection threads; more concurrent connections get 503 at once
+    read_timeout_s: float = 10.0  # an idle or stalled connection is closed after this
+    backlog: int = 128  # listen queue
+    health_timeout_s: float = 20.0  # /health_generate's bound on its one-token generation
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty; leave it unset to run without one")
+        if self.max_connections < 1 or self.backlog < 1 or self.read_timeout_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("max_connections and backlog must be >= 1, timeouts > 0")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Refuse to listen beyond this machine without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise RoleError(f"refusing to serve on {host} without --api-key (anyone who can reach it could swap the "
+                        "served weights); set --api-key or RLCTL_SERVE_API_KEY, or bind 127.0.0.1")
 
 
 class RolloutService:
     """The routes' logic over one engine worker, independent of HTTP plumbing."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_dir: str, *, backend: str = "local",
-                 weight_version: str = "default", max_wait_s: float = 0.005, max_batch_rows: int = 512) -> None:
+                 weight_version: str = "default", max_wait_s: float = 0.005, max_batch_rows: int = 256,
+                 limits: Limits | None = None, weights_root: str | Path | None = None) -> None:
         from rlctl.serve.worker import EngineWorker
 
         self.tokenizer, self.model_dir, self.backend = tokenizer, model_dir, backend
         self.eos_id = tokenizer.eos_token_id
+        self._config = _read_config(Path(model_dir))
+        self.limits = limits or default_limits(self._config, tokenizer)
+        self.weights_root = Path(os.path.realpath(weights_root)) if weights_root is not None else None
         self.worker = EngineWorker(engine, weight_version=weight_version, max_wait_s=max_wait_s,
                                    max_batch_rows=max_batch_rows)
         self._rids = itertools.count()
-        self._config = _read_config(Path(model_dir))
+        self._state_lock = threading.Lock()  # weights + weight_version change together, and are read together
+        served = engine.state_dict() if hasattr(engine, "state_dict") else {}
+        self._layout = {name: (tuple(t.shape), t.dtype) for name, t in served.items()}
+        self._tied = _aliases(served)
 
     # -- /generate -----------------------------------------------------------------
 
-    def generate(self, body: Any) -> tuple[int, Any]:
+    def generate(self, body: Any, gone: Callable[[], bool] | None = None) -> tuple[int, Any]:
         started = time.perf_counter()
-        call = parse_generate(body, lambda text: self.tokenizer(text)["input_ids"], lambda: f"req-{next(self._rids)}")
-        trajectories, version = self.worker.generate(call.rows)
+        call = parse_generate(body, self._tokenize, lambda: f"req-{next(self._rids)}", self.limits)
+        trajectories, versions = self.worker.generate(call.rows, gone=gone)
         latency = time.perf_counter() - started
         items = [response_item(row, traj, eos_id=self.eos_id, weight_version=version, latency_s=latency)
-                 for row, traj in zip(call.rows, trajectories)]
+                 for row, traj, version in zip(call.rows, trajectories, versions)]
         return 200, generate_response(call, items)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def health_generate(self, timeout_s: float) -> tuple[int, Any]:
+        """A real one-token greedy generation through the worker, bounded by ``timeout_s``."""
+        from rlctl.contracts.types import SamplingConfig
+
+        token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.eos_id
+        row = Row(input_ids=(int(token),), sampling=SamplingConfig(temperature=0.0, max_tokens=1),
+                  rid=f"health-{next(self._rids)}", return_logprob=False, no_stop_trim=False)
+        started = time.perf_counter()
+        try:
+            self.worker.generate([row], timeout_s=timeout_s)
+        except TimeoutError:
+            return 503, {"error": f"a one-token generation did not finish within {timeout_s:g}s"}
+        except Cancelled as err:
+            return 503, {"error": err.message}
+        return 200, {"ok": True, "latency_s": round(time.perf_counter() - started, 4)}
 
     # -- weights -------------------------------------------------------------------
 
     def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
-        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            return 400, {"success": False, "message": "model_path (a directory) is required", "num_paused_requests": 0}
+        def refuse(status: int, message: str) -> tuple[int, Any]:
+            return status, {"success": False, "message": message, "num_paused_requests": 0}
+
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
+            return refuse(400, "model_path (a directory) is required")
         version = body.get("weight_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            return refuse(400, "weight_version must be a string or an integer")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return refuse(400, f"load_format {str(body.get('load_format'))[:40]!r} is not supported; "
+                               "this server loads safetensors only")
         try:
-            apply = self._prepare_update(Path(body["model_path"]), None if version is None else str(version))
-            message = self.worker.call(apply)
+            path = self._confine(body["model_path"])
+        except ApiError as err:
+            return refuse(err.status, err.message)
+        try:
+            apply = self._prepare_update(path, None if version is None else str(version))
         except RlctlError as err:
-            return 400, {"success": False, "message": str(err), "num_paused_requests": 0}
+            return refuse(400, str(err))
+        except Exception as err:  # noqa: BLE001 - reading the candidate failed; nothing served changed
+            return refuse(400, f"cannot read the weights in {path}: {type(err).__name__}: {str(err)[:300]}")
+        try:
+            message = self.worker.call(apply)
+        except Cancelled as err:
+            return refuse(503, err.message)
+        except RlctlError as err:
+            return refuse(400, str(err))
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def _confine(self, raw: str) -> Path:
+        """The real path ``raw`` names, if the server may load from it; one message for every refusal."""
+        if len(raw) > MAX_PATH_CHARS or "\0" in raw:
+            raise ApiError(400, f"model_path is longer than {MAX_PATH_CHARS} characters or holds a NUL byte")
+        shown = raw if len(raw) <= 200 else raw[:200] + "..."
+        try:
+            real = Path(os.path.realpath(raw))
+        except (OSError, ValueError):
+            real = None
+        if self.weights_root is not None:
+            inside = real is not None and (real == self.weights_root or self.weights_root in real.parents)
+            if not inside:
+                raise ApiError(403, f"model_path {shown} is outside the server's weights root; it loads weights "
+                                    f"only from under {self.weights_root}")
+        unloadable = ApiError(400, f"model_path {shown} is not a loadable weight directory (a committed rlctl "
+                                   "publish, or a directory with config.json and model.safetensors)")
+        try:
+            if real is None or not real.is_dir() or not os.access(real, os.R_OK | os.X_OK):
+                raise unloadable
+            names = set(os.listdir(real))
+        except OSError:
+            raise unloadable from None
+        if not names & {"manifest.json", "manifest.json.tmp", "model.safetensors", "model.safetensors.index.json"}:
+            raise unloadable
+        return real
 
     def _prepare_update(self, path: Path, weight_version: str | None) -> Callable[[Any], str]:
         """Read and verify off the engine thread; return the step that applies on it."""
         from rlctl.engine.transports.disk import fetch_directory, is_version_dir
         from rlctl.engine.weight_sync import decode_manifest
 
-        if not path.is_dir():
-            raise RoleError(f"model_path {path} is not a directory", "pass a published version or model directory")
         if is_version_dir(path):
             manifest, stored = fetch_directory(path)  # refuses uncommitted dirs and bad shards, by name
 
             def apply_manifest(worker: Any) -> str:
                 engine = worker.engine
-                base = engine.state_dict() if manifest.is_delta and hasattr(engine, "state_dict") else None
-                update = decode_manifest(manifest, stored, base=base,
-                                         base_fingerprint=engine.health().get("fingerprint"))
-                engine.update_weights(update)
-                worker.weight_version = weight_version or str(manifest.version)
+                with self._state_lock:
+                    base = engine.state_dict() if manifest.is_delta and hasattr(engine, "state_dict") else None
+                    update = decode_manifest(manifest, stored, base=base,
+                                             base_fingerprint=engine.health().get("fingerprint"))
+                    engine.update_weights(update)
+                    worker.weight_version = weight_version or str(manifest.version)
                 return f"updated to weight version {worker.weight_version} (fingerprint {update.fingerprint})"
 
             return apply_manifest
-        state = _load_hf_state(path)
+        state = read_model_dir(path, self._layout, self._tied)
 
         def apply_plain(worker: Any) -> str:
             from rlctl.contracts.types import WeightUpdate
@@ -103,8 +233,9 @@ class RolloutService:
             engine = worker.engine
             number = int(weight_version) if weight_version and weight_version.isdigit() else engine.policy_version
             update = WeightUpdate(version=number, state_dict=state, fingerprint=fingerprint(state))
-            engine.update_weights(update)
-            worker.weight_version = weight_version or worker.weight_version
+            with self._state_lock:
+                engine.update_weights(update)
+                worker.weight_version = weight_version or worker.weight_version
             return f"loaded {path} as weight version {worker.weight_version} (fingerprint {update.fingerprint})"
 
         return apply_plain
@@ -112,13 +243,18 @@ class RolloutService:
     # -- info ------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        health = self.worker.engine.health()
+        with self._state_lock:
+            health = self.worker.engine.health()
+            version = self.worker.weight_version
         return {
             "model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True,
-            "weight_version": self.worker.weight_version, "model_type": self._config.get("model_type"),
+            "weight_version": version, "model_type": self._config.get("model_type"),
             "architectures": self._config.get("architectures"),
+            "max_total_num_tokens": self.limits.positions,
             "rlctl": {"engine": self.backend, "policy_version": health.get("policy_version"),
-                      "fingerprint": health.get("fingerprint"), "logprobs": LOGPROB_SEMANTICS},
+                      "fingerprint": health.get("fingerprint"), "logprobs": LOGPROB_SEMANTICS,
+                      "limits": {**self.limits.to_dict(), "max_batch_rows": self.worker.max_batch_rows},
+                      "weights_root_confined": self.weights_root is not None},
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -126,10 +262,19 @@ class RolloutService:
         return {"weight_version": self.worker.weight_version, "max_batch_rows": self.worker.max_batch_rows,
                 "rlctl": {"batches": s.batches, "requests": s.requests, "rows": s.rows,
                           "largest_batch_rows": s.largest_batch_rows,
-                          "largest_batch_requests": s.largest_batch_requests}}
+                          "largest_batch_requests": s.largest_batch_requests,
+                          "retried_alone": s.retried_alone, "cancelled": s.cancelled, "idle": self.worker.idle}}
 
-    def close(self) -> None:
-        self.worker.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.worker.close(timeout_s)
+
+
+def default_limits(config: Mapping[str, Any], tokenizer: Any, **overrides: Any) -> Limits:
+    """Limits from the model's config (positions, vocabulary) plus server settings in ``overrides``."""
+    positions = config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", None) or 2048
+    vocab = config.get("vocab_size") or len(tokenizer)
+    return Limits(positions=int(min(positions, 1 << 20)), vocab_size=int(vocab),
+                  **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
@@ -139,77 +284,284 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _load_hf_state(path: Path) -> dict[str, Any]:
-    from rlctl.models.load import load_policy
+def _aliases(served: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """name -> every other name sharing its tensor (tied weights a checkpoint may store once)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name in sorted(served):
+        t = served[name]
+        if t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), []).append(name)
+    return {n: tuple(m for m in names if m != n) for names in groups.values() if len(names) > 1 for n in names}
 
-    model, _ = load_policy(path)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+
+_ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_model_dir(path: Path, layout: Mapping[str, tuple[tuple[int, ...], Any]],
+                   tied: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
+    """The tensors of a plain Hugging Face safetensors directory, checked against the served layout first.
+
+    Every file's header is read and every name, shape and dtype compared
+    with what is served before any tensor data is read, so a directory of
+    another architecture (or a huge one) costs nothing and changes nothing.
+    A tensor tied to another in the served model may be stored once.
+    """
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    files = _weight_files(path)
+    where: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in where:
+                        raise RoleError(f"tensor {name} is stored twice in {path.name} ({where[name].name}, "
+                                        f"{file.name})", "rewrite the model with save_pretrained")
+                    if name not in layout:
+                        raise RoleError(f"{file.name} holds tensor {name}, which the served model does not have",
+                                        "load a model of the served architecture")
+                    part = handle.get_slice(name)
+                    shape, dtype = tuple(part.get_shape()), _ST_TO_TORCH.get(part.get_dtype(), part.get_dtype())
+                    want_shape, want_dtype = layout[name]
+                    if shape != want_shape:
+                        raise RoleError(f"tensor {name} in {file.name} has shape {shape}, the served model has "
+                                        f"{want_shape}", "load a model of the served architecture and size")
+                    got = getattr(torch, dtype, None)
+                    if got != want_dtype and not (isinstance(got, torch.dtype) and got.is_floating_point
+                                                  and want_dtype.is_floating_point):
+                        raise RoleError(f"tensor {name} in {file.name} has dtype {dtype}, the served model has "
+                                        f"{want_dtype}", "load a model with the served dtypes")
+                    where[name] = file
+        except SafetensorError as err:
+            raise RoleError(f"{file.name} in {path.name} is not a valid safetensors file: {err}",
+                            "rewrite the model with save_pretrained") from None
+    missing = sorted(n for n in layout if n not in where and not any(m in where for m in tied.get(n, ())))
+    if missing:
+        raise RoleError(f"{path.name} lacks {len(missing)} tensor(s) the served model has, e.g. {missing[0]}",
+                        "load a full model of the served architecture")
+    state: dict[str, Any] = {}
+    for file in files:
+        names = [n for n, f in where.items() if f == file]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in names:
+                    state[name] = handle.get_tensor(name)
+        except SafetensorError as err:
+            raise RoleError(f"{file.name} in {path.name} could not be read: {err}", "rewrite the model") from None
+    for name in layout:
+        if name not in state:
+            state[name] = next(state[m] for m in tied[name] if m in state)
+    return state
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, AttributeError) as err:
+            raise RoleError(f"{index.name} in {path.name} is not valid JSON: {type(err).__name__}",
+                            "rewrite the model with save_pretrained") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise RoleError(f"{index.name} in {path.name} has no weight_map", "rewrite the model with save_pretrained")
+        names = sorted({str(v) for v in weight_map.values()})
+        for name in names:
+            if Path(name).name != name or not name.endswith(".safetensors") or not (path / name).is_file():
+                raise RoleError(f"{index.name} in {path.name} names {name[:80]!r}, which is not a safetensors "
+                                "file in that directory", "rewrite the model with save_pretrained")
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise RoleError(f"{path.name} has no model.safetensors (or index); only safetensors weights load",
+                    "save the model with save_pretrained(safe_serialization=True)")
 
 
 # -- HTTP plumbing -------------------------------------------------------------------
 
 
-def _handler(service: RolloutService, verbose: bool) -> type[BaseHTTPRequestHandler]:
-    posts: dict[str, Callable[[Any], tuple[int, Any]]] = {
-        "/generate": service.generate,
-        "/update_weights_from_disk": service.update_weights_from_disk,
+class _Refused(Exception):
+    """A request refused before its route runs; ``close`` when the rest of it was not read."""
+
+    def __init__(self, status: int, message: str, close: bool = False, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.close, self.headers = status, message, close, dict(headers or {})
+
+
+def _strict_json(raw: bytes) -> Any:
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _Refused(400, f"body is not UTF-8: byte {err.start} is invalid") from None
+    try:
+        return json.loads(text, parse_constant=no_constant)
+    except RecursionError:
+        raise _Refused(400, "body is not JSON this server accepts: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, NaN/Infinity, integers with too many digits
+        raise _Refused(400, f"body is not valid JSON: {str(err)[:200]}") from None
+
+
+def _handler(service: RolloutService, http: HttpOptions, host: str, verbose: bool) -> type[BaseHTTPRequestHandler]:
+    posts: dict[str, Callable[[Any, Callable[[], bool]], tuple[int, Any]]] = {
+        "/generate": lambda body, gone: service.generate(body, gone),
+        "/update_weights_from_disk": lambda body, gone: service.update_weights_from_disk(body),
     }
     gets: dict[str, Callable[[], tuple[int, Any]]] = {
-        "/health": lambda: (200, None), "/health_generate": lambda: (200, None),
+        "/health": lambda: (200, None) if service.worker.alive else (503, None),
+        "/health_generate": lambda: service.health_generate(http.health_timeout_s),
         "/get_model_info": lambda: (200, service.model_info()), "/model_info": lambda: (200, service.model_info()),
         "/get_server_info": lambda: (200, service.server_info()), "/server_info": lambda: (200, service.server_info()),
         "/flush_cache": lambda: (200, "Cache flushed."),
     }
+    check_host = is_loopback(host)
+    expected_auth = f"Bearer {http.api_key}".encode() if http.api_key else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = http.read_timeout_s  # socket timeout: idle keep-alive and stalled reads end
+        server_version = "rlctl-serve"
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            route = gets.get(self.path.split("?", 1)[0])
-            self._answer(route if route else lambda: (404, {"error": f"no route {self.path}"}))
+            self._dispatch(post=False)
 
         def do_POST(self) -> None:  # noqa: N802
+            self._dispatch(post=True)
+
+        def _dispatch(self, post: bool) -> None:
             path = self.path.split("?", 1)[0]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if path in gets:
-                self._answer(gets[path])
-                return
-            route = posts.get(path)
-            if route is None:
-                self._answer(lambda: (404, {"error": f"no route {path}"}))
-                return
             try:
-                body = json.loads(raw) if raw else {}
-            except json.JSONDecodeError as err:
-                self._send(400, {"error": f"body is not JSON: {err}"})
-                return
-            self._answer(lambda: route(body))
+                self._admit()
+                if not post and (self.headers.get("Content-Length") or "0").strip() not in ("", "0"):
+                    self.close_connection = True  # its body is not read: the connection cannot carry on
+                body = self._body() if post else None
+                if path in gets:
+                    self._answer(gets[path])
+                elif post and path in posts:
+                    route = posts[path]
+                    self._answer(lambda: route(body if body is not None else {}, self._gone))
+                else:
+                    self._send(404, {"error": f"no route {path[:100]}"})
+            except _Refused as err:
+                if err.close:
+                    self.close_connection = True
+                self._send(err.status, {"error": err.message}, err.headers)
+            except _ClientGone:
+                self.close_connection = True
+
+        def _admit(self) -> None:
+            if check_host and self.headers.get("Host") is not None:
+                name = self.headers["Host"].rsplit(":", 1)[0] if not self.headers["Host"].endswith("]") \
+                    else self.headers["Host"]
+                if not (is_loopback(name) or name == host):
+                    raise _Refused(403, "Host header names another site; this server answers only to "
+                                        "localhost / loopback addresses")
+            if self.headers.get("Origin") is not None:
+                raise _Refused(403, "requests from web pages (with an Origin header) are refused")
+            if expected_auth is not None:
+                got = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
+                if not hmac.compare_digest(got, expected_auth):
+                    raise _Refused(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
+                                   headers={"WWW-Authenticate": "Bearer"})
+
+        def _body(self) -> Any:
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise _Refused(411, "chunked request bodies are not accepted; send Content-Length", close=True)
+            declared = self.headers.get("Content-Length")
+            if declared is None or declared.strip() == "":
+                return None
+            if not declared.strip().isdigit():
+                raise _Refused(400, f"Content-Length {declared[:40]!r} is not a number", close=True)
+            length = int(declared)
+            if length > service.limits.max_body_bytes:
+                raise _Refused(413, f"body of {length} bytes is over this server's limit of "
+                                    f"{service.limits.max_body_bytes}", close=True)
+            if length == 0:
+                return None
+            kind = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+            if kind != "application/json":
+                self._drain(length)
+                raise _Refused(415, f"Content-Type must be application/json, got {kind[:60] or 'none'!r}")
+            return _strict_json(self._read(length))
+
+        def _read(self, length: int) -> bytes:
+            """Exactly ``length`` body bytes, all within the read timeout (a stalled client gets 408)."""
+            deadline = time.monotonic() + http.read_timeout_s
+            chunks, got = [], 0
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Refused(408, f"body incomplete after {http.read_timeout_s:g}s ({got} of {length} "
+                                        "bytes)", close=True)
+                self.connection.settimeout(left)
+                try:
+                    chunk = self.rfile.read1(min(length - got, 1 << 20))
+                except (TimeoutError, socket.timeout):
+                    raise _Refused(408, f"body incomplete after {http.read_timeout_s:g}s ({got} of {length} "
+                                        "bytes)", close=True) from None
+                except OSError:
+                    raise _ClientGone() from None
+                if not chunk:
+                    raise _ClientGone()
+                chunks.append(chunk)
+                got += len(chunk)
+            self.connection.settimeout(http.read_timeout_s)
+            return b"".join(chunks)
+
+        def _drain(self, length: int) -> None:
+            try:
+                self._read(length)
+            except (_Refused, _ClientGone):
+                self.close_connection = True
+
+        def _gone(self) -> bool:
+            """True once the client closed its side (checked while its generation runs)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):
+                return True
 
         def _answer(self, fn: Callable[[], tuple[int, Any]]) -> None:
             try:
                 status, payload = fn()
             except ApiError as err:
                 status, payload = err.status, {"error": err.message}
+            except Cancelled as err:
+                if self._gone():
+                    raise _ClientGone() from None
+                status, payload = 503, {"error": err.message}
             except RlctlError as err:
                 status, payload = 400, {"error": str(err)}
             except Exception as err:  # noqa: BLE001 - a bug: keep serving, report it, keep the traceback
                 traceback.print_exc(file=sys.stderr)
-                status, payload = 500, {"error": f"internal error: {type(err).__name__}: {err}"}
+                status, payload = 500, {"error": f"internal error: {type(err).__name__}: {str(err)[:300]}"}
             self._send(status, payload)
 
-        def _send(self, status: int, payload: Any) -> None:
+        def _send(self, status: int, payload: Any, headers: Mapping[str, str] | None = None) -> None:
             if payload is None:
                 data, kind = b"", "text/plain"
             elif isinstance(payload, str):
                 data, kind = payload.encode(), "text/plain; charset=utf-8"
             else:
                 data, kind = json.dumps(payload).encode(), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
             if verbose:
@@ -218,9 +570,87 @@ def _handler(service: RolloutService, verbose: bool) -> type[BaseHTTPRequestHand
     return Handler
 
 
+class _ClientGone(Exception):
+    """The client closed the connection; there is nobody to answer."""
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connection threads and a larger listen backlog."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], handler: type, http: HttpOptions) -> None:
+        self.request_queue_size = http.backlog
+        self._slots = threading.BoundedSemaphore(http.max_connections)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = b'{"error": "server busy: too many open connections; retry shortly"}'
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nRetry-After: 1\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+
+        def work() -> None:
+            try:
+                self.process_request_thread(request, client_address)
+            finally:
+                self._slots.release()
+
+        threading.Thread(target=work, name="rlctl-http", daemon=True).start()
+
+
+class RolloutServer:
+    """A listening ``rlctl serve rollout``: ``serve_forever()`` in one thread, ``shutdown()`` from another."""
+
+    def __init__(self, service: RolloutService, host: str, port: int, *, http: HttpOptions | None = None,
+                 verbose: bool = False) -> None:
+        self.http = http or HttpOptions()
+        check_exposure(host, self.http.api_key)
+        self.service = service
+        try:
+            self.httpd = _HTTPServer((host, port), _handler(service, self.http, host, verbose), self.http)
+        except OSError as err:
+            raise RoleError(f"cannot listen on {host}:{port}: {err.strerror}",
+                            "pick a free port with --port (0 lets the OS choose) or stop what holds it") from err
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.httpd.server_address[1]}"
+        self._stopped = threading.Event()
+
+    def serve_forever(self) -> None:
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self._close()
+
+    def shutdown(self) -> None:
+        """Stop accepting, cancel running generations, release the port (returns within a few seconds)."""
+        self.service.worker.cancel_all()  # generations stop at their next decode step
+        self.httpd.shutdown()
+        self._stopped.wait(timeout=5)
+
+    def _close(self) -> None:
+        self.service.close(timeout_s=3.0)
+        self.httpd.server_close()
+        self._stopped.set()
+
+
 def build_service(model_dir: str | Path, *, backend: str = "local", seed: int = 0, weight_version: str = "default",
-                  max_wait_s: float = 0.005, max_batch_rows: int = 512) -> RolloutService:
-    """Load the tokenizer and build the named rollout backend through the plugin registry."""
+                  max_wait_s: float = 0.005, max_batch_rows: int = 256, weights_root: str | Path | None = None,
+                  **limits: Any) -> RolloutService:
+    """Load the tokenizer and build the named rollout backend through the plugin registry.
+
+    ``limits``: max_new_tokens, max_prompts, max_body_bytes (None keeps the default).
+    """
     from transformers import AutoTokenizer
 
     from rlctl.contracts.types import RolloutContext
@@ -229,35 +659,38 @@ def build_service(model_dir: str | Path, *, backend: str = "local", seed: int = 
     from rlctl.models.tokenizer import tokenizer_hash
 
     root = check_model_dir(model_dir)
+    if weights_root is not None and not Path(weights_root).is_dir():
+        raise RoleError(f"--weights-root {weights_root} is not a directory", "create it or pass another one")
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    try:
+        bounds = default_limits(_read_config(root), tokenizer, **limits)
+    except ValueError as err:
+        raise RoleError(str(err), "pass a positive value") from None
     ctx = RolloutContext(model_dir=str(root), tokenizer_hash=tokenizer_hash(root), seed=seed)
     engine = load_plugins().build("rollout_backend", backend, {}, "serve --backend", ctx=ctx)
     return RolloutService(engine, tokenizer, str(root), backend=backend, weight_version=weight_version,
-                          max_wait_s=max_wait_s, max_batch_rows=max_batch_rows)
+                          max_wait_s=max_wait_s, max_batch_rows=max_batch_rows, limits=bounds,
+                          weights_root=weights_root)
 
 
-def serve(service: RolloutService, host: str, port: int, *, verbose: bool = False,
+def serve(service: RolloutService, host: str, port: int, *, http: HttpOptions | None = None, verbose: bool = False,
           ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGINT / SIGTERM; ``ready(url)`` is called once the socket listens."""
     try:
-        httpd = ThreadingHTTPServer((host, port), _handler(service, verbose))
-    except OSError as err:
+        server = RolloutServer(service, host, port, http=http, verbose=verbose)
+    except RlctlError:
         service.close()
-        raise RoleError(f"cannot listen on {host}:{port}: {err.strerror}",
-                        "pick a free port with --port (0 lets the OS choose) or stop what holds it") from err
-    httpd.daemon_threads = True
-    url = f"http://{host}:{httpd.server_address[1]}"
+        raise
 
     def stop(signum: int, frame: Any) -> None:
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
+        service.worker.cancel_all()
+        threading.Thread(target=server.httpd.shutdown, daemon=True).start()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if ready is not None:
-            ready(url)
-        httpd.serve_forever(poll_interval=0.2)
+            ready(server.url)
+        server.serve_forever()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        httpd.server_close()
-        service.close()

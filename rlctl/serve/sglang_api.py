@@ -22,6 +22,7 @@ What this is not: the HTTP server (rlctl.serve.server) or the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -56,6 +57,37 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """What one /generate request may ask for; checked while parsing, before anything reaches the engine.
+
+    ``positions`` and ``vocab_size`` come from the served model's config; the
+    rest are server settings (``rlctl serve rollout --max-...``), reported by
+    ``/get_model_info`` under ``rlctl.limits``.
+    """
+
+    positions: int  # max_position_embeddings: prompt tokens + max_new_tokens must fit
+    vocab_size: int  # every token id must be below it
+    max_new_tokens: int = 1024  # cap on sampling_params.max_new_tokens (and positions - 1)
+    max_prompts: int = 512  # rows per request, ``n`` copies included
+    max_body_bytes: int = 8 << 20  # request body size
+
+    def __post_init__(self) -> None:
+        for name in ("positions", "vocab_size", "max_new_tokens", "max_prompts", "max_body_bytes"):
+            if getattr(self, name) < 1 or (name == "positions" and self.positions < 2):
+                raise ValueError(f"limit {name} must be at least {2 if name == 'positions' else 1}, "
+                                 f"got {getattr(self, name)}")
+
+    @property
+    def new_tokens_cap(self) -> int:
+        return min(self.max_new_tokens, self.positions - 1)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"max_body_bytes": self.max_body_bytes, "max_prompts_per_request": self.max_prompts,
+                "max_new_tokens": self.new_tokens_cap, "max_positions": self.positions,
+                "max_prompt_tokens": self.positions - 1, "vocab_size": self.vocab_size}
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     """One sequence to generate."""
 
@@ -72,32 +104,50 @@ class GenerateCall:
     single: bool  # the request named one prompt (respond with one object, not a list)
 
 
-def parse_generate(body: Any, tokenize: Any, next_rid: Any) -> GenerateCall:
-    """Validate a /generate body; ``tokenize(text) -> ids``; ``next_rid() -> str`` for missing rids."""
+def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> GenerateCall:
+    """Validate a /generate body; ``tokenize(text) -> ids``; ``next_rid() -> str`` for missing rids.
+
+    Every rule of ``limits`` and every type is checked here, so a request the
+    engine would fail on is a 400 naming the field, and a bad row never joins
+    a batch with other clients' rows.
+    """
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    if body.get("stream"):
+    if body.get("stream") not in (None, False):
         raise ApiError(400, "stream=true is not supported by rlctl serve rollout; send stream=false")
     if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num") not in (None, 0):
         raise ApiError(400, "only output-token logprobs are supported (logprob_start_len=-1, top_logprobs_num=0)")
     if body.get("token_ids_logprob") is not None:
         raise ApiError(400, "token_ids_logprob is not supported by rlctl serve rollout")
-    prompts, single = _prompts(body, tokenize)
+    prompts, single = _prompts(body, tokenize, limits)
     n = len(prompts)
     params = _per_row(body.get("sampling_params", {}), n, "sampling_params", dict)
     logprob = _per_row(body.get("return_logprob", False), n, "return_logprob", bool)
     rids = _per_row(body.get("rid"), n, "rid", str) if body.get("rid") is not None else [None] * n
+    parsed = [parse_sampling(p, limits) for p in params]
+    total = sum(copies for _, copies, _ in parsed)
+    if total > limits.max_prompts:
+        raise ApiError(400, f"the request asks for {total} sequences (prompts x n); this server takes at most "
+                            f"{limits.max_prompts} per request: split it")
     rows = []
-    for ids, p, lp, rid in zip(prompts, params, logprob, rids):
-        sampling, copies, no_trim = parse_sampling(p)
+    for k, (ids, (sampling, copies, no_trim), lp, rid) in enumerate(zip(prompts, parsed, logprob, rids)):
+        room = limits.positions - sampling.max_tokens
+        if len(ids) > room:
+            where = "" if single else f"[{k}]"
+            raise ApiError(400, f"prompt{where} has {len(ids)} tokens; with max_new_tokens={sampling.max_tokens} "
+                                f"at most {room} fit in the model's {limits.positions} positions")
         base = rid or next_rid()
-        for k in range(copies):
-            rows.append(Row(input_ids=ids, sampling=sampling, rid=base if copies == 1 else f"{base}-{k}",
+        for c in range(copies):
+            rows.append(Row(input_ids=ids, sampling=sampling, rid=base if copies == 1 else f"{base}-{c}",
                             return_logprob=lp, no_stop_trim=no_trim))
     return GenerateCall(rows=tuple(rows), single=single and len(rows) == 1)
 
 
-def _prompts(body: Mapping[str, Any], tokenize: Any) -> tuple[list[tuple[int, ...]], bool]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompts(body: Mapping[str, Any], tokenize: Any, limits: Limits) -> tuple[list[tuple[int, ...]], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise ApiError(400, "send exactly one of input_ids or text")
@@ -105,13 +155,45 @@ def _prompts(body: Mapping[str, Any], tokenize: Any) -> tuple[list[tuple[int, ..
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise ApiError(400, "text must be a string or a non-empty list of strings")
-        return [tuple(tokenize(t)) for t in texts], isinstance(text, str)
-    single = isinstance(ids, list) and bool(ids) and all(isinstance(i, int) for i in ids)
+        if len(texts) > limits.max_prompts:
+            raise ApiError(400, f"text has {len(texts)} prompts; this server takes at most {limits.max_prompts} "
+                                "per request: split it")
+        out = []
+        for k, t in enumerate(texts):
+            if not t:
+                raise ApiError(400, "text must not be empty" if isinstance(text, str) else f"text[{k}] is empty")
+            if len(t) > limits.positions * 64:  # no tokenizer packs more than 64 characters into a token
+                raise ApiError(400, f"text{'' if isinstance(text, str) else f'[{k}]'} has {len(t)} characters, "
+                                    f"far more than the model's {limits.positions} positions hold")
+            tokens = tuple(tokenize(t))
+            if not tokens:
+                raise ApiError(400, f"text{'' if isinstance(text, str) else f'[{k}]'} tokenizes to no tokens")
+            out.append(tokens)
+        return out, isinstance(text, str)
+    single = isinstance(ids, list) and bool(ids) and not isinstance(ids[0], list)
     batch = [ids] if single else ids
-    if not isinstance(batch, list) or not batch or not all(
-            isinstance(row, list) and row and all(isinstance(i, int) and i >= 0 for i in row) for row in batch):
+    if not isinstance(batch, list) or not batch:
         raise ApiError(400, "input_ids must be a non-empty list of token ids or a list of such lists")
+    if len(batch) > limits.max_prompts:
+        raise ApiError(400, f"input_ids has {len(batch)} prompts; this server takes at most {limits.max_prompts} "
+                            "per request: split it")
+    for k, row in enumerate(batch):
+        where = "input_ids" if single else f"input_ids[{k}]"
+        if not isinstance(row, list) or not row:
+            raise ApiError(400, f"{where} must be a non-empty list of token ids")
+        if len(row) > limits.positions:
+            raise ApiError(400, f"{where} has {len(row)} tokens; the model has {limits.positions} positions")
+        for i in row:
+            if not _is_int(i) or not 0 <= i < limits.vocab_size:
+                raise ApiError(400, f"{where} holds {json_repr(i)}; token ids are integers in "
+                                    f"[0, {limits.vocab_size}) for this model")
     return [tuple(row) for row in batch], single
+
+
+def json_repr(value: Any) -> str:
+    """A short rendering of a client value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _per_row(value: Any, n: int, name: str, kind: type) -> list[Any]:
@@ -127,35 +209,60 @@ def _per_row(value: Any, n: int, name: str, kind: type) -> list[Any]:
     return items
 
 
-def parse_sampling(params: Mapping[str, Any]) -> tuple[SamplingConfig, int, bool]:
+def _number(params: Mapping[str, Any], key: str, default: float) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"sampling_params.{key} must be a number, got {json_repr(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ApiError(400, f"sampling_params.{key} must be finite, got {value}")
+    return value
+
+
+def _integer(params: Mapping[str, Any], key: str, default: int) -> int:
+    value = params.get(key, default)
+    if not _is_int(value):
+        raise ApiError(400, f"sampling_params.{key} must be an integer, got {json_repr(value)}")
+    return value
+
+
+def parse_sampling(params: Mapping[str, Any], limits: Limits) -> tuple[SamplingConfig, int, bool]:
     """(SamplingConfig, n copies, no_stop_trim) from an SGLang ``sampling_params`` object."""
     unknown = sorted(set(params) - set(SGLANG_SAMPLING_KEYS))
     if unknown:
-        raise ApiError(400, f"unknown field `{unknown[0]}`, expected one of {', '.join(SGLANG_SAMPLING_KEYS)}")
+        raise ApiError(400, f"unknown field `{json_repr(unknown[0])[1:-1]}`, expected one of "
+                            f"{', '.join(SGLANG_SAMPLING_KEYS)}")
     for key, allowed in _NEUTRAL.items():
-        if key in params and params[key] not in allowed:
-            raise ApiError(400, f"sampling_params.{key}={params[key]!r} is not supported by rlctl serve rollout "
-                                f"(allowed: {', '.join(map(repr, allowed))})")
-    try:
-        temperature = float(params.get("temperature", 1.0))
-        top_p = float(params.get("top_p", 1.0))
-        top_k = int(params.get("top_k", TOP_K_ALL))
-        max_new = int(params.get("max_new_tokens", 128))
-        n = int(params.get("n", 1))
-    except (TypeError, ValueError) as err:
-        raise ApiError(400, f"bad sampling_params: {err}") from None
-    if temperature < 0 or not 0 < top_p <= 1 or max_new < 1 or n < 1:
-        raise ApiError(400, "need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1 and n >= 1")
+        if key in params and (isinstance(params[key], bool) != isinstance(allowed[0], bool)
+                              or params[key] not in allowed):
+            raise ApiError(400, f"sampling_params.{key}={json_repr(params[key])} is not supported by rlctl serve "
+                                f"rollout (allowed: {', '.join(map(repr, allowed))})")
+    temperature, top_p = _number(params, "temperature", 1.0), _number(params, "top_p", 1.0)
+    top_k, n = _integer(params, "top_k", TOP_K_ALL), _integer(params, "n", 1)
+    max_new = _integer(params, "max_new_tokens", min(128, limits.new_tokens_cap))
+    if temperature < 0:
+        raise ApiError(400, f"sampling_params.temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    if not 1 <= max_new <= limits.new_tokens_cap:
+        raise ApiError(400, f"sampling_params.max_new_tokens must be in [1, {limits.new_tokens_cap}] on this "
+                            f"server, got {max_new}")
+    if not 1 <= n <= limits.max_prompts:
+        raise ApiError(400, f"sampling_params.n must be in [1, {limits.max_prompts}], got {n}")
     if top_k == 0 or top_k < -1:
-        raise ApiError(400, "top_k must be -1 (disable) or at least 1")
-    stop = params.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a string or a list of non-empty strings")
+        raise ApiError(400, f"sampling_params.top_k must be -1 (disable) or at least 1, got {top_k}")
+    stop = params.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise ApiError(400, "sampling_params.stop must be a non-empty string or a list of at most 16 of them")
+    no_trim = params.get("no_stop_trim", False)
+    if not isinstance(no_trim, bool):
+        raise ApiError(400, f"sampling_params.no_stop_trim must be true or false, got {json_repr(no_trim)}")
     greedy = temperature < 1e-6
     sampling = SamplingConfig(temperature=0.0 if greedy else temperature, top_p=top_p,
-                              top_k=0 if top_k == -1 or top_k >= TOP_K_ALL else top_k, max_tokens=max_new, stop=stop)
-    return sampling, n, bool(params.get("no_stop_trim", False))
+                              top_k=0 if top_k == -1 or top_k >= TOP_K_ALL else top_k, max_tokens=max_new,
+                              stop=tuple(stop))
+    return sampling, n, no_trim
 
 
 def finish_reason(traj: Trajectory, eos_id: int) -> tuple[dict[str, Any], str | None]:

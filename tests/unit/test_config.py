@@ -163,12 +163,20 @@ def test_missing_required_key_names_its_path() -> None:
 # -- cross-field rules: the message says how to fix it -----------------------------
 
 
-@pytest.mark.parametrize("size", [1, 0, -3])
-def test_group_size_below_two_says_how_to_fix(size: int) -> None:
+@pytest.mark.parametrize("size", [0, -3])
+def test_group_size_below_one_is_a_config_error(size: int) -> None:
     message = config_error(overrides=[f"algo.group_size={size}"])
-    assert "algo.group_size" in message
-    assert ">= 2" in message
-    assert f"got {size}" in message
+    assert "algo.group_size" in message and "greater than or equal to 1" in message
+
+
+def test_group_size_below_two_for_a_group_baseline_says_how_to_fix() -> None:
+    from rlctl.engine.session import build_estimator
+    from rlctl.hooks.manager import load_plugins
+
+    with pytest.raises(ConfigError) as info:  # the estimator knows it needs a group (ppo would accept 1)
+        build_estimator(load_config(None, ["algo.group_size=1"]), load_plugins())
+    message = f"{info.value.message} {info.value.hint}"
+    assert "algo.group_size" in message and ">= 2" in message and "got 1" in message
     assert "set algo.group_size=" in message
 
 
@@ -274,7 +282,7 @@ def test_validate_names_the_source() -> None:
 
 
 def test_every_config_error_has_a_hint() -> None:
-    for overrides in (["algo.grup_size=4"], ["algo.group_size=1"], ["algo.group_size=abc"], ["nokey"]):
+    for overrides in (["algo.grup_size=4"], ["algo.group_size=0"], ["algo.group_size=abc"], ["nokey"]):
         with pytest.raises(ConfigError) as info:
             load_config(None, overrides)
         assert info.value.hint

@@ -182,3 +182,20 @@ def test_shape_docstring_example():
     shape = ModelShape(name="t", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
                        head_dim=16, vocab_size=99, tie_embeddings=True)
     assert shape.num_params == 21760
+
+
+def test_critic_terms_hold_a_backbone_sized_model_with_its_own_optimizer():
+    from dataclasses import replace
+
+    shape = PRESETS["7b"]
+    place = Placement.parse("colocate", 8)
+    without = ledger(shape, RECIPE, GPU, place, 80 * GiB)[0]
+    with_critic = ledger(shape, replace(RECIPE, critic=True), GPU, place, 80 * GiB)[0]
+    critic = {t.name: t.bytes for t in with_critic.terms if t.role == "critic"}
+    assert [t.name for t in without.terms if t.role == "critic"] == ["none (GRPO)"]
+    lm_head = 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
+    backbone = shape.num_params - lm_head + shape.hidden_size + 1
+    assert critic["parameters"] == -(-backbone * 2 // 8)  # bf16, ZeRO-3 over 8 devices
+    assert critic["optimizer states"] == -(-backbone * 8 // 8)
+    assert critic["activations"] > 0
+    assert with_critic.peak_bytes - without.peak_bytes >= sum(critic.values()) - critic["activations"]

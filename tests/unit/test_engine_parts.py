@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rlctl.contracts.roles import RewardFunction
 from rlctl.contracts.types import PromptRecord, RewardResult, SamplingConfig, Split, TerminalReason, Trajectory
 from rlctl.engine.batching import CursorState, PromptCursor, build_batch, group_rewards
-from rlctl.engine.eval import paired_bootstrap
+from rlctl.engine.eval import paired_bootstrap, pooled_bootstrap
 from rlctl.engine.metrics import step_metrics
 from rlctl.engine.reward_mix import MixedReward
 from rlctl.engine.scoring import score_all
@@ -438,3 +438,49 @@ def test_bootstrap_is_seeded_and_brackets_the_difference() -> None:
 def test_bootstrap_rejects_unpaired_or_empty_lists(baseline: list[int], candidate: list[int]) -> None:
     with pytest.raises(ValueError, match="equally long"):
         paired_bootstrap(baseline, candidate)
+
+
+# -- pooled_bootstrap (several RL seeds on the same prompts) ---------------------------------------
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda s: st.integers(1, 30).flatmap(
+    lambda n: st.lists(st.tuples(st.lists(st.integers(0, 1), min_size=n, max_size=n),
+                                 st.lists(st.integers(0, 1), min_size=n, max_size=n)), min_size=s, max_size=s))))
+def test_pooled_bootstrap_brackets_the_mean_of_the_seeds(pairs) -> None:
+    cmp = pooled_bootstrap(pairs, samples=200, seed=3)
+    per_seed = [sum(c - b for b, c in zip(base, cand)) / len(base) for base, cand in pairs]
+    assert cmp.diff == pytest.approx(sum(per_seed) / len(per_seed))
+    assert -1.0 <= cmp.ci_low <= cmp.ci_high <= 1.0
+    # every resample is a mean of cells of the matrix, so it lies within the cells' range
+    cells = [c - b for base, cand in pairs for b, c in zip(base, cand)]
+    assert min(cells) <= cmp.ci_low and cmp.ci_high <= max(cells)
+    assert cmp == pooled_bootstrap(pairs, samples=200, seed=3)  # seeded
+
+
+def test_pooled_bootstrap_of_identical_seeds_matches_one_seed_width() -> None:
+    baseline = [0, 1, 0, 0, 1, 0, 1, 0, 0, 1] * 10
+    candidate = [1, 1, 0, 1, 1, 0, 1, 0, 1, 1] * 10
+    one = pooled_bootstrap([(baseline, candidate)], samples=2000, seed=0)
+    three = pooled_bootstrap([(baseline, candidate)] * 3, samples=2000, seed=0)
+    assert one.diff == three.diff == pytest.approx(0.3)
+    assert 0.0 < three.ci_low < 0.3 < three.ci_high
+    # identical seeds add no seed variance: the interval is about as wide as with one seed
+    assert abs((three.ci_high - three.ci_low) - (one.ci_high - one.ci_low)) < 0.04
+
+
+def test_pooled_bootstrap_widens_when_seeds_disagree() -> None:
+    base = [0] * 100
+    agree = [([0] * 100, [1] * 10 + [0] * 90)] * 3
+    disagree = [(base, [1] * 0 + [0] * 100), (base, [1] * 10 + [0] * 90), (base, [1] * 20 + [0] * 80)]
+    a = pooled_bootstrap(agree, samples=2000, seed=0)
+    d = pooled_bootstrap(disagree, samples=2000, seed=0)
+    assert a.diff == pytest.approx(0.1) and d.diff == pytest.approx(0.1)
+    assert d.ci_high - d.ci_low > a.ci_high - a.ci_low  # seed-to-seed variation is in the interval
+
+
+@pytest.mark.parametrize("pairs", [[], [([1, 0], [1, 0]), ([1], [1])], [([], [])]])
+def test_pooled_bootstrap_rejects_unpaired_or_empty_input(pairs) -> None:
+    with pytest.raises(ValueError, match="pooled bootstrap needs"):
+        pooled_bootstrap(pairs)

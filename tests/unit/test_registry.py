@@ -25,7 +25,7 @@ from rlctl.registry import Registry, default_url, upgrade
 from rlctl.registry import db
 
 PG_BASE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-TABLES = {"runs", "metrics", "events", "checkpoints", "evals", "alembic_version"}
+TABLES = {"runs", "metrics", "events", "checkpoints", "evals", "ablations", "ablation_runs", "alembic_version"}
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
@@ -71,7 +71,7 @@ def test_migrate_from_empty_creates_every_table_at_head(url: str) -> None:
     try:
         assert TABLES <= set(sa.inspect(engine).get_table_names())
         with engine.connect() as conn:
-            assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar_one() == "0001"
+            assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar_one() == "0002"
     finally:
         engine.dispose()
 
@@ -445,3 +445,44 @@ def test_two_processes_write_metrics_concurrently_without_loss(reg: Registry, ur
     for p in points:
         by_name.setdefault(p.name, []).append(p.step)
     assert by_name == {name: list(range(200)) for name in ("shared", "worker/0", "worker/1")}
+
+
+def test_ablation_store_round_trip(reg: Registry) -> None:
+    from rlctl.registry.ablations import AblationStore
+
+    store = AblationStore(reg)
+    spec = {"cells": ["a=1"], "seeds": [0], "baseline": "a=1"}
+    abl, new = store.find_or_create("demo", "hash-x", spec)
+    assert new and abl.status == "running" and abl.id.startswith("abl-")
+    again, new = store.find_or_create("demo", "hash-x", spec)
+    assert not new and again.id == abl.id
+    run = reg.create_run(name="r", config={}, config_hash="h", code_version="c", dataset_version=None,
+                         tokenizer_hash=None, seed=0, run_dir="/tmp/x")
+    store.set_run(abl.id, "a=1", 0, status="running", run_id=run.id)
+    row = store.set_run(abl.id, "a=1", 0, status="succeeded", wall_s=1.5)
+    assert (row.run_id, row.status, row.wall_s) == (run.id, "succeeded", 1.5)
+    assert store.runs(abl.id) == [row]
+    updated = store.update(abl.id, status="succeeded", spec={**spec, "resolved_budget_tokens": 10})
+    assert updated.spec["resolved_budget_tokens"] == 10 and store.get(abl.id).status == "succeeded"
+
+
+def test_migrate_from_the_frozen_0001_schema_keeps_runs(url: str) -> None:
+    from alembic import command
+
+    engine = db.open_engine(url)
+    try:
+        config = db._alembic_config()
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0001")
+        assert "ablations" not in set(sa.inspect(engine).get_table_names())
+        run = new_run(Registry(engine))  # a run written by an rlctl of the 0001 schema
+    finally:
+        engine.dispose()
+    with Registry.open(url) as reg:  # upgrades to head on open
+        assert reg.get_run(run.id) == run
+    engine = db.open_engine(url)
+    try:
+        assert {"ablations", "ablation_runs"} <= set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()

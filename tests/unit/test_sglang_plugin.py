@@ -11,7 +11,9 @@ import torch
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import RolloutContext, RolloutRequest, SamplingConfig, TerminalReason, WeightUpdate
 from rlctl.models.fingerprint import fingerprint
-from rlctl.serve.sglang_api import ApiError, parse_generate, parse_sampling
+from rlctl.serve.sglang_api import ApiError, Limits, parse_generate, parse_sampling
+
+LIMITS = Limits(positions=256, vocab_size=100)
 from tests.fixtures.fake_sglang import FakeSGLang
 
 
@@ -167,30 +169,50 @@ def test_real_sglang_refuses_what_it_cannot_do(plugins, model_dir, fakes, tmp_pa
         backend.close()
 
 
+def test_the_api_key_from_the_environment_is_sent_on_every_call(plugins, model_dir, tmp_path, monkeypatch):
+    server = FakeSGLang(api_key="k3y")
+    try:
+        monkeypatch.delenv("RLCTL_SERVE_API_KEY", raising=False)
+        with pytest.raises(RoleError, match="401"):
+            _backend(plugins, model_dir, [server], tmp_path)
+        monkeypatch.setenv("RLCTL_SERVE_API_KEY", "k3y")
+        refused = server.unauthorized
+        backend = _backend(plugins, model_dir, [server], tmp_path / "b")
+        try:
+            assert backend.generate(_requests(2, SamplingConfig(max_tokens=4)))
+            assert server.unauthorized == refused and server.updates  # synced, generated, all with the key
+        finally:
+            backend.close()
+    finally:
+        server.close()
+
+
 # -- the served schema -------------------------------------------------------------------
 
 
 def test_sampling_params_follow_sglang_rules():
-    sampling, n, no_trim = parse_sampling({"max_new_tokens": 4, "temperature": 0.7, "top_k": -1, "stop": "\n"})
+    sampling, n, no_trim = parse_sampling({"max_new_tokens": 4, "temperature": 0.7, "top_k": -1, "stop": "\n"},
+                                          LIMITS)
     assert sampling == SamplingConfig(temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, stop=("\n",))
     assert (n, no_trim) == (1, False)
-    assert parse_sampling({"temperature": 0.0})[0].greedy
+    assert parse_sampling({"temperature": 0.0}, LIMITS)[0].greedy
     for bad, needle in [({"max_tokens": 4}, "unknown field `max_tokens`"), ({"top_k": 0}, "top_k must be -1"),
-                        ({"repetition_penalty": 1.1}, "not supported"), ({"temperature": "hot"}, "bad sampling")]:
+                        ({"repetition_penalty": 1.1}, "not supported"), ({"temperature": "hot"}, "temperature must be a number")]:
         with pytest.raises(ApiError, match=needle):
-            parse_sampling(bad)
+            parse_sampling(bad, LIMITS)
 
 
 def test_generate_body_forms():
     rid = iter(range(100))
-    call = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"n": 2}}, None, lambda: f"r{next(rid)}")
+    call = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"n": 2}}, None, lambda: f"r{next(rid)}",
+                          LIMITS)
     assert not call.single and [r.rid for r in call.rows] == ["r0-0", "r0-1"]
     call = parse_generate({"input_ids": [[1], [2]], "return_logprob": [True, False], "rid": ["a", "b"]}, None,
-                          lambda: "x")
+                          lambda: "x", LIMITS)
     assert [(r.input_ids, r.return_logprob, r.rid) for r in call.rows] == [((1,), True, "a"), ((2,), False, "b")]
-    assert parse_generate({"text": "hi"}, lambda t: [7, 8], lambda: "x").rows[0].input_ids == (7, 8)
+    assert parse_generate({"text": "hi"}, lambda t: [7, 8], lambda: "x", LIMITS).rows[0].input_ids == (7, 8)
     for body, needle in [({}, "exactly one"), ({"input_ids": [[1]], "stream": True}, "stream"),
                          ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "1 entries for 2"),
                          ({"input_ids": [[1]], "logprob_start_len": 0}, "output-token logprobs")]:
         with pytest.raises(ApiError, match=needle):
-            parse_generate(body, None, lambda: "x")
+            parse_generate(body, None, lambda: "x", LIMITS)

@@ -120,7 +120,7 @@ def test_arith_default_options_load() -> None:
 def test_arith_any_valid_options_give_correct_disjoint_splits(num_terms: int, max_operand: int, ops: str,
                                                               sizes: tuple[int, int, int], seed: int) -> None:
     space = (max_operand + 1) ** num_terms * len(ops) ** (num_terms - 1)
-    assume(sum(sizes) <= space // 2)  # beyond that the options are refused (tested below)
+    assume(sum(sizes) <= space)  # beyond that the options are refused (tested below); dense requests enumerate
     opts = ArithOptions(num_terms=num_terms, max_operand=max_operand, ops=ops, num_train=sizes[0],
                         num_dev=sizes[1], num_hidden=sizes[2], seed=seed)
     data = ArithTask(opts).load()
@@ -179,14 +179,25 @@ def test_arith_ops_error_through_the_plugin_names_the_path(plugins) -> None:
 
 
 def test_arith_too_many_problems_for_the_space() -> None:
-    # 2 terms over 0..3 with '+': 16 expressions, about 8 usable.
+    # 2 terms over 0..3 with '+': 16 expressions; all of them can be asked for, not one more.
     with pytest.raises(ValidationError) as info:
-        ArithOptions(num_terms=2, max_operand=3, ops="+", num_train=5, num_dev=2, num_hidden=2)
+        ArithOptions(num_terms=2, max_operand=3, ops="+", num_train=13, num_dev=2, num_hidden=2)
     message = str(info.value)
-    assert "at most about 8" in message and "9 were asked for" in message
-    ok = ArithOptions(num_terms=2, max_operand=3, ops="+", num_train=4, num_dev=2, num_hidden=2)
+    assert "can make 16 unique problems" in message and "17 were asked for" in message
+    ok = ArithOptions(num_terms=2, max_operand=3, ops="+", num_train=12, num_dev=2, num_hidden=2)
     data = ArithTask(ok).load()
-    assert len(data.train + data.dev + data.hidden) == 8
+    assert sorted(r.text for r in data.train + data.dev + data.hidden) == sorted(
+        f"{a}+{b}=" for a in range(4) for b in range(4))
+
+
+def test_arith_quickstart_uses_every_problem_once() -> None:
+    # the quickstart's task: all 30,000 `a op b` over 0..99 and + - *, split 28,500 / 500 / 1,000
+    opts = ArithOptions(num_terms=2, max_operand=99, ops="+-*", num_train=28500, num_dev=500, num_hidden=1000)
+    data = ArithTask(opts).load()
+    texts = [r.text for r in data.train + data.dev + data.hidden]
+    assert len(texts) == len(set(texts)) == 30000
+    assert {c for t in texts for c in t if c in "+-*"} == {"+", "-", "*"}
+    assert data == ArithTask(opts).load()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,156 @@
+"""The built-in advantage estimators: thin compositions of the pure functions in rlctl.algo.
+
+What this is: one small class per estimator (the AdvantageEstimator protocol):
+how rewards become per-token advantages, which policy loss and aggregation go
+with them, and the reward-side steps some of them add (DAPO's group filter and
+overlong penalty).
+
+What this is not: tensor maths (rlctl.algo) or the loop that calls them
+(rlctl.engine). A third-party estimator looks exactly like these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from rlctl.algo.advantages import (
+    gae,
+    grpo_advantages,
+    informative_groups,
+    outcome_token_rewards,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
+from rlctl import AdvantageInputs
+
+
+def broadcast(per_sequence: Tensor, action_mask: Tensor) -> Tensor:
+    """``[B, G]`` sequence advantages onto the response tokens of ``[N, T]`` rows (0 elsewhere)."""
+    return per_sequence.reshape(-1, 1).float() * (action_mask > 0)
+
+
+class _Outcome:
+    """Shared defaults: token PPO clip, token-mean aggregation, no critic, no reward shaping or filtering."""
+
+    policy_loss = "token"
+    loss_agg = "token-mean"
+    clip: tuple[float, float] | None = None
+    needs_critic = False
+    kl_in_token_rewards = False
+    max_sample_rounds = 1
+    min_group_size = 2  # the group is the baseline
+
+    def __init__(self, algo: Any, options: Any = None) -> None:
+        self.algo = algo
+        self.options = options
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_tokens: int) -> Tensor:
+        return rewards
+
+    def keep_groups(self, rewards: Tensor, valid: Tensor) -> Tensor:
+        return torch.ones(rewards.shape[0], dtype=torch.bool)
+
+    def value_targets(self, inputs: AdvantageInputs) -> Tensor | None:
+        return None
+
+
+class GRPO(_Outcome):
+    """Group-relative: (r - group mean) / group std, the sequence's value on each of its tokens."""
+
+    def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
+        adv, stats = grpo_advantages(inputs.rewards, inputs.valid, normalize_std=self.algo.normalize_std)
+        return broadcast(adv, inputs.action_mask), stats
+
+
+class DrGRPO(_Outcome):
+    """GRPO without the two normalisations: no group std, and a constant (max length) loss divisor."""
+
+    loss_agg = "seq-mean-token-sum-norm"
+
+    def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
+        adv, stats = grpo_advantages(inputs.rewards, inputs.valid, normalize_std=False)
+        return broadcast(adv, inputs.action_mask), stats
+
+
+class RLOO(_Outcome):
+    """Leave-one-out baseline: each sample against the mean of the other G - 1."""
+
+    def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
+        adv, stats = rloo_advantages(inputs.rewards, inputs.valid)
+        return broadcast(adv, inputs.action_mask), stats
+
+
+class ReinforcePP(_Outcome):
+    """REINFORCE++: token returns with the KL penalty in the reward, whitened over the whole batch."""
+
+    kl_in_token_rewards = True
+    min_group_size = 1  # the batch is the baseline
+
+    def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
+        return reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
+                                       inputs.token_kl, inputs.kl_coef)
+
+
+class GSPO(GRPO):
+    """Group-normalised advantages with one importance ratio and clip decision per sequence."""
+
+    policy_loss = "sequence"
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        return (self.options.clip_low, self.options.clip_high)
+
+
+class DAPO(GRPO):
+    """GRPO with clip-higher, token-level loss, dynamic sampling and the soft overlong penalty."""
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        return (self.options.clip_low, self.options.clip_high)
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_tokens: int) -> Tensor:
+        if not self.options.overlong_buffer or not self.options.overlong_penalty:
+            return rewards
+        buffer = min(self.options.overlong_buffer, max_tokens)
+        return rewards + overlong_penalty(lengths, max_tokens, buffer, self.options.overlong_penalty)
+
+    def keep_groups(self, rewards: Tensor, valid: Tensor) -> Tensor:
+        if not self.options.dynamic_sampling:
+            return super().keep_groups(rewards, valid)
+        return informative_groups(rewards, valid)
+
+    @property
+    def max_sample_rounds(self) -> int:
+        return self.options.max_sample_rounds if self.options.dynamic_sampling else 1
+
+
+class PPO(_Outcome):
+    """PPO with a critic: per-token rewards (outcome at the end, KL penalty per token), GAE, whitened."""
+
+    needs_critic = True
+    kl_in_token_rewards = True
+    min_group_size = 1  # the critic is the baseline
+
+    def _gae(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor]:
+        if inputs.values is None:
+            raise ValueError("ppo needs the critic's values; the engine must build the critic role")
+        valid = inputs.valid.reshape(-1)  # [N]
+        mask = (inputs.action_mask > 0) & valid.view(-1, 1)  # [N, T]
+        rewards = torch.where(valid, inputs.rewards.reshape(-1).float(), torch.zeros(()))  # [N]
+        token_r = outcome_token_rewards(rewards, mask, inputs.token_kl, inputs.kl_coef)  # [N, T]
+        critic = self.algo.critic
+        adv, returns = gae(token_r, inputs.values, mask, critic.gamma, critic.lam)
+        return adv, returns, mask
+
+    def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
+        adv, returns, mask = self._gae(inputs)
+        return whiten(adv, mask), {"returns_mean": float(returns[mask].mean()) if mask.any() else 0.0}
+
+    def value_targets(self, inputs: AdvantageInputs) -> Tensor:
+        """GAE returns A + V (before whitening): what the critic regresses onto."""
+        return self._gae(inputs)[1]

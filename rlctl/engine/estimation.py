@@ -1,0 +1,147 @@
+"""One step's samples and advantages, whatever the estimator: the part of the loop between rollout and update.
+
+What this is: ``sample_groups`` (generate, score, shape rewards, and for
+estimators that filter groups -- DAPO's dynamic sampling -- drop the groups
+without signal and sample more prompts until the batch is full again) and
+``estimate`` (KL-in-reward, the critic's values, the estimator's per-token
+advantages and the critic's targets).
+
+What this is not: the estimators (plugins registered through
+``register_advantage_estimators``) or their tensor maths (rlctl.algo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from rlctl.contracts.batch import AdvantageInputs, TrainBatch
+from rlctl.contracts.roles import AdvantageEstimator, RewardFunction, RolloutBackend
+from rlctl.contracts.types import PromptRecord, RolloutRequest, Trajectory
+from rlctl.engine.batching import group_rewards
+from rlctl.engine.scoring import score_all
+
+
+@dataclass
+class SampledGroups:
+    """The groups a step trains on (G adjacent samples each) and what it cost to get them."""
+
+    scored: list[Trajectory]  # kept groups, grouped
+    rewards: Any  # [B, G] shaped rewards of the kept groups
+    valid: Any  # [B, G] bool
+    verify_latencies: list[float]
+    num_generated_tokens: int  # every generated response token, dropped groups included
+    times: dict[str, float]  # T_r (rollout) and T_v (scoring) seconds, summed over rounds
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
+                  make_request: Callable[[PromptRecord], RolloutRequest], rollout: RolloutBackend,
+                  reward: RewardFunction, answers: Mapping[str, str], estimator: AdvantageEstimator,
+                  num_prompts: int, group_size: int, max_tokens: int,
+                  truncation_penalty: float | None) -> SampledGroups:
+    """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
+
+    Metrics: ``generated_tokens`` (all rounds), and with filtering
+    ``ds_dropped_groups`` (groups without signal dropped), ``ds_refill_prompts``
+    (prompts sampled beyond the first round), ``ds_sample_rounds`` and
+    ``ds_short_groups`` (groups still missing after the last round).
+    """
+    import time
+
+    import torch
+
+    rounds = max(1, estimator.max_sample_rounds)
+    kept: list[Trajectory] = []
+    rewards: list[Any] = []
+    valid: list[Any] = []
+    latencies: list[float] = []
+    generated = dropped = refill = 0
+    last: tuple[list[Trajectory], Any, Any] | None = None
+    done_rounds = 0
+    times = {"T_r": 0.0, "T_v": 0.0}
+    for round_index in range(rounds):
+        need = num_prompts - len(rewards)
+        if need <= 0:
+            break
+        done_rounds += 1
+        if round_index:
+            refill += need
+        t0 = time.perf_counter()
+        trajectories = rollout.generate([make_request(p) for p in prompts(need)])
+        t1 = time.perf_counter()
+        generated += sum(t.num_response_tokens for t in trajectories)
+        scored, lat = score_all(trajectories, answers, reward, truncation_penalty)
+        times["T_r"] += t1 - t0
+        times["T_v"] += time.perf_counter() - t1
+        latencies += lat
+        r, v = group_rewards(scored, group_size)  # [b, G]
+        lengths = torch.tensor([t.num_response_tokens for t in scored]).view_as(r)
+        r = estimator.shape_rewards(r, lengths, max_tokens)
+        keep = estimator.keep_groups(r, v)  # [b]
+        last = (scored, r, v)
+        for g in range(r.shape[0]):
+            if bool(keep[g]):
+                kept += scored[g * group_size:(g + 1) * group_size]
+                rewards.append(r[g])
+                valid.append(v[g])
+            else:
+                dropped += 1
+    if not rewards:  # nothing informative at all: train on the last round (zero advantages, zero gradient)
+        assert last is not None
+        kept, r_all, v_all = last
+    else:
+        r_all, v_all = torch.stack(rewards), torch.stack(valid)
+    metrics = {"generated_tokens": float(generated),  # dropped groups count: they cost generation time
+               "generated_tokens_per_s": generated / times["T_r"] if times["T_r"] > 0 else 0.0}
+    if rounds > 1:
+        metrics.update(ds_dropped_groups=float(dropped), ds_refill_prompts=float(refill),
+                       ds_sample_rounds=float(done_rounds), ds_short_groups=float(max(0, num_prompts - len(rewards))))
+    return SampledGroups(scored=kept, rewards=r_all, valid=v_all, verify_latencies=latencies,
+                         num_generated_tokens=generated, times=times, metrics=metrics)
+
+
+@dataclass
+class Estimate:
+    """Per-token advantages for the learner, plus the critic's inputs when there is one."""
+
+    advantages: Any  # [N, T]
+    stats: dict[str, float]
+    values: Any | None = None  # [N, T] critic values before the update
+    returns: Any | None = None  # [N, T] critic targets
+
+
+def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, valid: Any, kl_coef: float,
+             kl_estimator: str, ref_logprobs: Callable[[TrainBatch], Any],
+             values: Callable[[TrainBatch], Any] | None) -> Estimate:
+    """Advantages of one batch: the KL penalty into the reward when ``kl_coef`` > 0, then the estimator.
+
+    ``kl_coef`` is the coefficient of KL-in-the-reward (0 when the KL goes into
+    the loss, the learner's business); ``ref_logprobs`` the learner's reference
+    log-probs; ``values`` the critic's (required when the estimator needs one).
+    An estimator that takes per-token rewards gets the per-token KL; the others
+    get the sequence sum subtracted from the reward.
+    """
+    from rlctl.algo.kl import kl_estimate, kl_shaped_rewards
+
+    token_kl = None
+    stats: dict[str, float] = {}
+    if kl_coef > 0:
+        ref = ref_logprobs(batch)  # [N, T]
+        if estimator.kl_in_token_rewards:
+            token_kl = kl_estimate(batch.behavior_logprobs, ref, kl_estimator) * batch.action_mask  # [N, T]
+            stats["kl_ref_reward"] = float(token_kl.sum() / batch.action_mask.sum().clamp(min=1))
+        else:
+            rewards = kl_shaped_rewards(rewards, batch.behavior_logprobs, ref, batch.action_mask, kl_coef,
+                                        kl_estimator)
+    v = None
+    if estimator.needs_critic:
+        if values is None:
+            raise ValueError("this estimator needs a critic but none was built")
+        v = values(batch)  # [N, T]
+    inputs = AdvantageInputs(rewards=rewards, valid=valid, action_mask=batch.action_mask, token_kl=token_kl,
+                             kl_coef=kl_coef if token_kl is not None else 0.0, values=v)
+    adv, adv_stats = estimator.advantages(inputs)
+    stats.update({k: float(x) for k, x in adv_stats.items()})
+    targets = estimator.value_targets(inputs) if estimator.needs_critic else None
+    return Estimate(advantages=adv, stats=stats, values=v, returns=targets)
