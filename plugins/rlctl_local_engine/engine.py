@@ -25,6 +25,7 @@ from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
 from rlctl.engine.faults import fault_site
 from rlctl.engine.weight_apply import apply_update
+from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_local_engine.options import LocalEngineOptions
@@ -36,11 +37,13 @@ class LocalEngine:
 
     def __init__(self, ctx: RolloutContext, options: LocalEngineOptions | None = None) -> None:
         self.options = options or LocalEngineOptions()
+        self.device = resolve_device(self.options.device, "rollout.options.device")
         self.model, self.tokenizer = load_policy(ctx.model_dir)
+        self.model.to(self.device)
         self.tokenizer_hash = ctx.tokenizer_hash
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
-        self._generator = torch.Generator().manual_seed(ctx.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
 
@@ -84,9 +87,10 @@ class LocalEngine:
             def abort() -> list[int]:
                 return [row for k in cancelled() for row in range(offsets[k], offsets[k + 1])]
 
-        result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
-                        pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
-                        abort=abort, min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))
+        with self.device:  # prompt, cache and sampling tensors live beside the model
+            result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
+                            pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
+                            abort=abort, min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0

@@ -11,6 +11,9 @@ from rlctl.contracts.types import RolloutMemory
 class LocalEngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="Where the engine's weights, "
+                        "KV cache and sampling run: auto (the first GPU when CUDA is usable, else CPU), cpu, cuda or "
+                        "cuda:N. Asking for cuda where there is none is an error.")
     max_batch_sequences: int = Field(512, ge=1, description="Rows per forward; larger requests are chunked by prompt.")
     length_tail_alpha: float | None = Field(
         None, gt=0, description="Benchmarks: keep decoding every row to a length drawn from a Pareto(alpha) tail "

@@ -43,6 +43,7 @@ from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
+from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_torch_learner.options import TorchLearnerOptions
@@ -55,11 +56,13 @@ class TorchLearner:
         self.options = options or TorchLearnerOptions()
         self.algo, self.optim_cfg = ctx.algo, ctx.optim
         self.norm_len = ctx.max_response_tokens
+        self.device = resolve_device(ctx.device, "train.device")
         a = ctx.algo
         self.loss = ctx.policy_loss or PolicyLoss(
             kind="token", clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
             agg=a.loss_agg or "token-mean", tis_cap=a.tis_cap)
         self.model, _ = load_policy(ctx.model_dir, dtype=self.options.dtype)
+        self.model.to(self.device)
         if self.options.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
@@ -69,16 +72,20 @@ class TorchLearner:
         self.master: list[torch.Tensor] | None = None  # fp32 master copy of low-precision parameters
         if any(p.dtype != torch.float32 for p in self.model.parameters()):
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
-        o = self.optim_cfg
-        self.optimizer = torch.optim.AdamW(self._trained(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        warmup = max(1, o.warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self._build_optimizer()
         self.generator = torch.Generator().manual_seed(ctx.seed)
         self.policy_version = 0
         self.nan_skips = 0
         self.micro_batch_size = self.algo.micro_batch_size  # halved for the rest of the run after an OOM
         self.oom_recoveries = 0
+
+    def _build_optimizer(self) -> None:
+        """AdamW over the trained tensors and its linear-warmup LR schedule (again after a sharder swaps them)."""
+        o = self.optim_cfg
+        self.optimizer = torch.optim.AdamW(self._trained(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        warmup = max(1, o.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
     # -- forward ---------------------------------------------------------------
 
@@ -98,11 +105,13 @@ class TorchLearner:
 
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
         """Per-token log-probs (and entropy); prompts shared by several rows are prefilled once."""
-        if self.options.share_prompt_prefill:
-            shared = _prefix_shared_logprobs(model, batch, with_entropy)
-            if shared is not None:
-                return shared
-        return self._logprobs(model, batch, with_entropy)
+        batch = batch.to(self.device)
+        with self.device:  # tensors built during the forward (positions, masks) land beside the model
+            if self.options.share_prompt_prefill:
+                shared = _prefix_shared_logprobs(model, batch, with_entropy)
+                if shared is not None:
+                    return shared
+            return self._logprobs(model, batch, with_entropy)
 
     def _micro_batches(self, batch: TrainBatch):
         size = self.micro_batch_size
@@ -111,24 +120,25 @@ class TorchLearner:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return torch.cat([self._forward(self.model, mb)[0] for mb in self._micro_batches(batch)])
+        return torch.cat([self._forward(self.model, mb)[0] for mb in self._micro_batches(batch)]).cpu()
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.reference is None:
             return None
-        return torch.cat([self._forward(self.reference, mb)[0] for mb in self._micro_batches(batch)])
+        return torch.cat([self._forward(self.reference, mb)[0] for mb in self._micro_batches(batch)]).cpu()
 
     # -- update ----------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         fault_site("learner.train_step", rows=batch.num_sequences)
         algo = self.algo
-        kl_in_loss = self.reference is not None and algo.kl.placement == "loss"
+        kl_in_loss = algo.kl.coef > 0 and algo.kl.placement == "loss"  # the reference exists exactly then
         if self.reference is not None and batch.ref_logprobs is None:
             batch = _with_ref(batch, self.ref_logprobs(batch))
         if self.loss.tis_cap is not None and batch.old_logprobs is None:
             batch = replace(batch, old_logprobs=self.logprobs(batch))  # pi_old: before this step's updates
+        batch = batch.to(self.device)
         stats: dict[str, list[float]] = {}
         size = batch.num_sequences // algo.num_mini_batches
         applied = 0
@@ -188,7 +198,7 @@ class TorchLearner:
             for param, master in zip(self.model.parameters(), self.master):
                 master.grad = None if param.grad is None else param.grad.float()
                 param.grad = None
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip))
+        grad_norm = self._clip_grad_norm()
         stats.setdefault("grad_norm", []).append(grad_norm)
         if not math.isfinite(grad_norm):
             # never apply a non-finite update: parameters, optimizer moments and LR schedule stay as they were
@@ -266,8 +276,12 @@ class TorchLearner:
                     stats.setdefault("logprob_mismatch_mean", []).append(float(delta.mean()))
                     stats.setdefault("logprob_mismatch_max", []).append(float(delta.max()))
 
+    def _clip_grad_norm(self) -> float:
+        """Clip the trained tensors' gradients to ``grad_clip`` in place; the global norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip))
+
     def export_weights(self) -> WeightUpdate:
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
 
     def save_pretrained(self, directory: str) -> None:
@@ -290,7 +304,7 @@ class TorchLearner:
     def checkpoint_state(self) -> LearnerState:
         return LearnerState(
             policy_version=self.policy_version,
-            weights={k: v.detach().clone() for k, v in self._master_state().items()},
+            weights={k: v.detach().to("cpu", copy=True) for k, v in self._master_state().items()},
             model_files=self._model_files(), optimizer=state_codec.clone(self.optimizer.state_dict()),
             scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
             rng={"minibatch_order": self.generator.get_state()},

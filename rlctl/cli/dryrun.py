@@ -150,9 +150,14 @@ def _render_smoke(smoke: Any, fmt_bytes: Any) -> None:
 def _render_plan(capacity: int, json_out: bool) -> None:
     from rlctl.ops.plan import Hardware, Recipe, plan
 
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.dryrun import sharding_learners
+
     rows, hw, recipe = plan(capacity), Hardware(), Recipe()
+    learners = sharding_learners(load_plugins(), 3)
     if json_out:
         _output.print_json({"estimate": True, "hardware": hw, "recipe": recipe, "num_params": recipe.shape.num_params,
+                            "zero3_learners": learners,
                             "rows": [dict(_output.to_jsonable(r), shares=r.shares) for r in rows]})
         return
     title = (f"ESTIMATES (not measured): {recipe.shape.name} ({recipe.shape.num_params / 1e9:.2f}B), "
@@ -167,3 +172,6 @@ def _render_plan(capacity: int, json_out: bool) -> None:
     _output.console.print(f"assumptions: {hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, HBM {hw.hbm_bytes_per_s / 1e12:.2f}"
                           f" TB/s, train MFU {hw.train_mfu:.0%}, decode at {hw.decode_bw_eff:.0%} of HBM bandwidth, "
                           f"responses at max length, reward time not modelled; see rlctl/ops/plan.py")
+    _output.console.print("learner assumed: ZeRO-3 / FSDP full shard; installed learner(s) that shard so: "
+                          + (", ".join(learners) if learners else "NONE (no installed learner plugin shards at "
+                             "ZeRO-3: this plan cannot run here as is)"))

@@ -218,6 +218,9 @@ class TrainConfig(_Strict):
     )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="Where the learner's model, "
+                        "optimizer state and batches live: auto (the first GPU when CUDA is usable, else CPU), cpu, "
+                        "cuda or cuda:N. Asking for cuda where there is none is an error.")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
                            "last; with no terminal (output piped to a file) the live display prints one line per N steps.")

@@ -42,6 +42,19 @@ class TrainBatch:
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: Any) -> "TrainBatch":
+        """The same batch with every tensor on ``device`` (itself when they already are)."""
+        if self.input_ids.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TrainBatch(
+            input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
+            action_mask=move(self.action_mask), behavior_logprobs=move(self.behavior_logprobs),
+            advantages=move(self.advantages), sampling=self.sampling, trajectory_ids=self.trajectory_ids,
+            policy_versions=self.policy_versions, ref_logprobs=move(self.ref_logprobs),
+            old_logprobs=move(self.old_logprobs),
+        )
+
     def select(self, rows: Any) -> "TrainBatch":
         """Sub-batch of the given row indices (a list or a long tensor)."""
         idx = [int(i) for i in rows]

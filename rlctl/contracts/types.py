@@ -420,6 +420,7 @@ class LearnerContext:
     seed: int
     max_response_tokens: int
     deterministic: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N, resolved by the learner (rlctl.models.device)
     policy_loss: PolicyLoss | None = None  # None: token PPO clip with algo's clip_eps and loss_agg
 
 

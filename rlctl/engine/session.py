@@ -189,6 +189,7 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                             ctx=LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim,
                                                seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
                                                deterministic=config.train.deterministic,
+                                               device=config.train.device,
                                                policy_loss=policy_loss(config, estimator)))
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,

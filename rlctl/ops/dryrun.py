@@ -127,6 +127,7 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     notes = [f"prompt tokens: {work.prompt_tokens} "
              + ("(--prompt-tokens)" if options.prompt_tokens else "(longest train prompt, run's tokenizer)")]
     notes += roles.notes
+    notes += learner_notes(config, plugins, roles, strat.zero_stage)
     smoke = None
     if options.smoke:
         if options.shape:
@@ -242,6 +243,40 @@ def role_memory(config: RunConfig, plugins: Plugins, *, gpu_plan: bool) -> RoleM
         notes.append(f"rollout backend {config.rollout.backend!r} reports no memory terms: the ledger assumes a "
                      "serving engine that holds the whole batch")
     return RoleMemory(learner=learner, rollout=rollout, notes=tuple(notes))
+
+
+def sharding_learners(plugins: Plugins, stage: int) -> list[str]:
+    """Installed learner backends whose default options shard at ``stage`` (as their memory terms say)."""
+    from rlctl.contracts.roles import LearnerMemoryTerms
+
+    out = []
+    for name in plugins.names("learner_backend"):
+        model = plugins.get("learner_backend", name).options
+        try:
+            opts = model() if model is not None else None
+        except Exception:  # options without defaults cannot be judged here
+            continue
+        if isinstance(opts, LearnerMemoryTerms) and opts.memory_terms(gpu_plan=True).zero_stage == stage:
+            out.append(name)
+    return out
+
+
+def _stage_label(stage: int) -> str:
+    return {0: "no sharding", 3: "ZeRO-3 / FSDP full shard"}.get(stage, f"ZeRO-{stage}")
+
+
+def learner_notes(config: RunConfig, plugins: Plugins, roles: RoleMemory, stage: int) -> list[str]:
+    """Which learner plugin and sharding the ledger assumes, and whether a learner that shards so is installed."""
+    name = config.train.learner
+    own = roles.learner.zero_stage
+    notes = [f"learner: {name!r} ({_stage_label(own)})"]
+    if stage != own:
+        providers = sharding_learners(plugins, stage)
+        where = (f"installed learner(s) that do: {', '.join(providers)} (set train.learner: {providers[0]})"
+                 if providers else "no installed learner plugin does (rlctl plugins list shows the learners)")
+        notes.append(f"the ledger models {_stage_label(stage)} (--zero-stage), which learner {name!r} does not do; "
+                     + where)
+    return notes
 
 
 def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory, critic: bool = False) -> Workload:

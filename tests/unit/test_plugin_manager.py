@@ -26,7 +26,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 BUILTINS = {
     "task_source": ["arith", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang"],
-    "learner_backend": ["torch"],
+    "learner_backend": ["fsdp2", "torch"],
     "critic_backend": ["torch"],
     "reward_function": ["code", "format", "length", "math"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
@@ -39,6 +39,7 @@ BUILTIN_PLUGINS = {
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
+    "fsdp_learner": {"learner backend": ("fsdp2",)},
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
     "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
@@ -141,7 +142,7 @@ def test_builtins_build(tmp_path: Path) -> None:
         ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "code, format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl, parquet"),
-        ("learner_backend", "torhc", "torch", "torch"),
+        ("learner_backend", "torhc", "torch", "fsdp2, torch"),
     ],
 )
 def test_unknown_name_lists_installed_and_suggests_closest(kind: str, typo: str, suggestion: str,

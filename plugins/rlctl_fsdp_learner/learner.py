@@ -1,0 +1,284 @@
+"""The FSDP2 learner: one policy sharded over a group of processes that rlctl starts itself.
+
+What this is: a LearnerBackend whose rank 0 is the training process (it drives
+the loop, the registry and the rollout) and whose ranks 1..N-1 are spawned
+processes that follow its commands. Every rank loads the same policy, applies
+``torch.distributed.fsdp.fully_shard`` to each decoder layer and then to the
+root, and builds AdamW over its shards, so parameters, gradients and optimizer
+state are split N ways. The update maths is the torch learner's own
+(``_Rank`` subclasses ``TorchLearner``): PPO epochs x mini-batches x
+micro-batch accumulation, gradient clipping by the global norm across shards,
+the NaN/Inf skip. Every rank runs the same rows (the shards are of the model,
+not of the batch), so the result equals the single-process learner's.
+
+Commands travel to the followers over a multiprocessing queue, so a follower
+may wait idle for any time while rank 0 generates rollouts; only collectives
+have a deadline (``rank_timeout_s``). A rank that dies or fails is reported by
+number as a RoleError, and the learner refuses further work rather than hang.
+
+Weights for publishing are gathered to rank 0 (full state dict, on the CPU).
+Precision: ``bfloat16`` gathers parameters in bf16 for compute while the fp32
+shards are the master weights and AdamW moments stay fp32.
+
+What this is not: data parallel (every rank sees the whole batch), or a
+checkpointable learner yet: with ``checkpoint.every_steps > 0`` the run stops
+at start with the engine's "cannot checkpoint" error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from rlctl import ConfigError, RoleError, WeightUpdate
+from rlctl.contracts.batch import TrainBatch
+from rlctl.contracts.types import LearnerContext
+from rlctl.models.device import resolve_device
+from rlctl.models.fingerprint import fingerprint
+from rlctl_fsdp_learner.options import FsdpLearnerOptions
+from rlctl_torch_learner.learner import TorchLearner
+from rlctl_torch_learner.options import TorchLearnerOptions
+
+_POLL_S = 2.0  # how often an idle follower checks that rank 0 is still alive
+
+
+class _Rank(TorchLearner):
+    """One rank's share: the torch learner's update over an FSDP2-sharded model."""
+
+    def __init__(self, ctx: LearnerContext, options: FsdpLearnerOptions, rank: int, world: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        # fp32 weights on every rank: they become the master shards; bf16 is FSDP's compute dtype
+        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False))
+        if rank != 0:
+            self.reference = None  # reference log-probs are computed by rank 0 alone
+        kw: dict[str, Any] = {"mesh": init_device_mesh(self.device.type, (world,))}
+        if options.dtype == "bfloat16":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if options.cpu_offload:  # pinning needs CUDA; without it FSDP2 fails at the first shard
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        for layer in _decoder_layers(self.model):
+            fully_shard(layer, **kw)
+        fully_shard(self.model, **kw)
+        self._build_optimizer()  # over the sharded parameters that replaced the loaded ones
+
+    def _clip_grad_norm(self) -> float:
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.clip_grad_norm_(self._trained(), self.optim_cfg.grad_clip)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights, on the CPU, on rank 0 (other ranks get {}); a collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_full(self, directory: str) -> None:
+        state = self.full_state()
+        if dist.get_rank() == 0:
+            self.model.save_pretrained(directory, state_dict=state)
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The repeated blocks FSDP shards one by one (Hugging Face decoders keep them at model.model.layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(f"the FSDP2 learner cannot find the decoder layers of {type(model).__name__} "
+                          "(expected model.model.layers)", "use train.learner: torch for this model")
+    return list(layers)
+
+
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _rank_ctx(ctx: LearnerContext, device: torch.device, rank: int) -> LearnerContext:
+    from dataclasses import replace
+
+    return replace(ctx, device=f"cuda:{rank}" if device.type == "cuda" else "cpu")
+
+
+def _init_group(device: torch.device, port: int, rank: int, world: int, timeout_s: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _follow(rank: int, world: int, port: int, ctx: LearnerContext, options: FsdpLearnerOptions,
+            device: torch.device, commands: Any, errors: Any) -> None:
+    """A follower rank: join the group, build its shard, then run rank 0's commands until told to stop."""
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    parent = os.getppid()
+    try:
+        _init_group(device, port, rank, world, options.rank_timeout_s)
+        me = _Rank(_rank_ctx(ctx, device, rank), options, rank, world)
+        while True:
+            try:
+                name, args = pickle.loads(commands.get(timeout=_POLL_S))
+            except queue.Empty:
+                if os.getppid() != parent:  # rank 0 is gone: nobody will ever send another command
+                    return
+                continue
+            if name == "close":
+                break
+            getattr(me, name)(*args)
+        dist.destroy_process_group()
+    except BaseException as err:  # report, then exit non-zero: rank 0 names this rank
+        errors.put((rank, f"{type(err).__name__}: {err}", traceback.format_exc(limit=8)))
+        raise SystemExit(1) from None
+
+
+class FsdpLearner:
+    """LearnerBackend: rank 0 of an FSDP2 group; starts and commands ranks 1..N-1."""
+
+    def __init__(self, ctx: LearnerContext, options: FsdpLearnerOptions | None = None) -> None:
+        self.options = options or FsdpLearnerOptions()
+        self.world = self.options.world_size
+        device = resolve_device(ctx.device, "train.device")
+        if device.type == "cuda" and torch.cuda.device_count() < self.world:
+            raise ConfigError(f"train.learner_options.world_size is {self.world} but only "
+                              f"{torch.cuda.device_count()} CUDA device(s) are visible",
+                              "lower world_size to the number of GPUs on this node")
+        if dist.is_initialized():
+            raise RoleError("this process already belongs to a torch.distributed group",
+                            "run one FSDP2 learner per process (close the previous one first)")
+        mp = torch.multiprocessing.get_context("spawn")
+        port = _free_port()
+        self._errors = mp.Queue()
+        self._commands = [mp.Queue() for _ in range(1, self.world)]
+        self._procs = [mp.Process(target=_follow, name=f"rlctl-fsdp-rank{r}", daemon=True,
+                                  args=(r, self.world, port, ctx, self.options, device, self._commands[r - 1],
+                                        self._errors))
+                       for r in range(1, self.world)]
+        self._broken: str | None = None
+        for p in self._procs:
+            p.start()
+        try:
+            _init_group(device, port, 0, self.world, self.options.rank_timeout_s)
+            self._rank = _Rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
+        except Exception as err:
+            self._fail("start-up", err)
+        self.device = self._rank.device
+        atexit.register(self.close)  # the learner contract has no close: leave the group when the run's process exits
+
+    # -- the group ---------------------------------------------------------------
+
+    def _run(self, name: str, *args: Any) -> Any:
+        """Run ``name`` on every rank (the followers get it first); rank 0's result."""
+        if self._broken:
+            raise RoleError(f"the FSDP2 learner group is down ({self._broken})", "restart or resume the run")
+        message = pickle.dumps((name, args))  # a copy, taken now: rank 0 goes on using the same tensors
+        for q in self._commands:
+            q.put(message)
+        try:
+            return getattr(self._rank, name)(*args)
+        except Exception as err:
+            self._fail(name, err)
+
+    def _fail(self, what: str, err: BaseException) -> None:
+        """Name the rank that failed, stop the group and raise; never leave anyone waiting."""
+        for p in self._procs:
+            p.join(timeout=5.0 if p.is_alive() else 0)
+        reports = []
+        while True:
+            try:
+                reports.append(self._errors.get(timeout=0.5))
+            except queue.Empty:
+                break
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs, 1) if not p.is_alive()]
+        if reports:
+            rank, message, _ = min(reports)
+            reason = f"learner rank {rank} failed during {what}: {message}"
+        elif dead:
+            rank, code = dead[0]
+            reason = f"learner rank {rank} died during {what} (exit code {code})"
+        elif isinstance(err, RoleError | ConfigError):
+            reason = None
+        else:
+            reason = (f"learner rank 0 failed during {what} or another rank did not answer within "
+                      f"{self.options.rank_timeout_s:g}s: {type(err).__name__}: {err}")
+        self._broken = reason or str(err)
+        self._stop(terminate=True)
+        if reason is None:
+            raise err
+        raise RoleError(reason, "see that rank's error above; a killed rank (out of memory?) fails the run, which "
+                        "`rlctl resume` continues from its last checkpoint") from err
+
+    def _stop(self, terminate: bool) -> None:
+        for q, p in zip(self._commands, self._procs):
+            if p.is_alive() and not terminate:
+                q.put(pickle.dumps(("close", ())))
+        for p in self._procs:
+            p.join(timeout=0 if terminate else 30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Stop the followers and leave the process group (idempotent)."""
+        if not self._broken:
+            self._broken = "closed"
+            self._stop(terminate=False)
+
+    def __del__(self) -> None:  # the run ended without close(): do not leave ranks behind
+        try:
+            if getattr(self, "_broken", "x") is None:
+                self.close()
+        except Exception:
+            pass
+
+    # -- LearnerBackend -------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._rank.policy_version
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._run("logprobs", batch)
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        return self._rank.ref_logprobs(batch)  # the unsharded reference lives on rank 0 only
+
+    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        if self._rank.reference is not None and batch.ref_logprobs is None:
+            from dataclasses import replace
+
+            batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
+        return self._run("train_step", batch)
+
+    def export_weights(self) -> WeightUpdate:
+        state = self._run("full_state")
+        return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
+
+    def save_pretrained(self, directory: str) -> None:
+        self._run("save_full", directory)
+
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        """Rank 0's own shards (what this process holds), by ledger term."""
+        return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
