@@ -253,6 +253,10 @@ class AdvantageEstimator(Protocol):
 
     def value_targets(self, inputs: "AdvantageInputs") -> Any:
         """The critic's regression targets ``[N, T]`` (None when ``needs_critic`` is False)."""
+        ...
+
+
+@runtime_checkable
 class Fault(Protocol):
     """An injectable fault kind (``rlctl inject --fault KIND``): arms handlers at real failure sites."""
 
@@ -284,6 +288,10 @@ class CriticBackend(Protocol):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore exactly what ``state`` returned; raise CheckpointError if it does not fit."""
+        ...
+
+
+@runtime_checkable
 class LrScalable(Protocol):
     """A learner whose learning rate can be lowered mid-run (the NaN rollback does)."""
 
