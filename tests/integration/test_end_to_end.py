@@ -92,7 +92,7 @@ def test_runs_compare_shows_config_diff_and_metrics(home):
                               "train.optim.lr=1e-3", "--json", home=home, check=True).stdout)["run"]["id"]
     out = json.loads(rlctl("runs", "compare", first, second, "--json", home=home, check=True).stdout)
     assert out["runs"] == [first, second]
-    assert {"key": "train.optim.lr", "a": 3e-5, "b": 1e-3} in out["config_diff"]
+    assert {"key": "train.optim.lr", "a": 2e-5, "b": 1e-3} in out["config_diff"]  # the quickstart lr
     assert out["provenance"]["config_hash"]["a"] != out["provenance"]["config_hash"]["b"]
     assert "reward_mean" in out["last_metrics"]
     table = rlctl("runs", "compare", first, second, home=home, check=True).stdout
