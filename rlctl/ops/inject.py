@@ -56,10 +56,10 @@ def fault_override(spec: FaultSpec, existing: Sequence[Mapping[str, Any]] = ()) 
 
 def is_running(run_dir: Path) -> bool:
     """True when another process holds the run directory's lock (the run is training now)."""
-    from rlctl.ops.train import RunLock
+    from rlctl.engine.rundir import RunDir
 
     try:
-        RunLock.acquire(run_dir).release()
+        RunDir(run_dir).lock().release()
     except CheckpointError:
         return True
     return False
