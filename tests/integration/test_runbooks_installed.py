@@ -22,7 +22,8 @@ def test_wheel_ships_runbooks_and_the_installed_package_finds_them(tmp_path: Pat
     shipped = {Path(n).name for n in names if "/data/share/rlctl/runbooks/" in n}
     assert {p.name for p in (REPO / "runbooks").glob("*.md")} == shipped
     prefix = tmp_path / "prefix"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix), str(wheel)],
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--prefix", str(prefix),
+                    str(wheel)],  # --ignore-installed: never uninstall the environment's own rlctl
                    check=True, capture_output=True, timeout=600)
     [site] = prefix.glob("lib/python*/site-packages")
     code = ("import rlctl.ops.runbooks as r; books = r.load_runbooks(); "
