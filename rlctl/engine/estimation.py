@@ -47,7 +47,8 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                   reward: RewardFunction, answers: Mapping[str, str], estimator: AdvantageEstimator,
                   num_prompts: int, group_size: int, max_tokens: int,
                   truncation_penalty: float | None, fresh_reward: Callable[[], RewardFunction] | None = None,
-                  verifier_retries: int = 0, pool: "RewardPool | None" = None) -> SampledGroups:
+                  verifier_retries: int = 0, pool: "RewardPool | None" = None,
+                  token_budget: float | None = None) -> SampledGroups:
     """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
 
     Metrics: ``generated_tokens`` (all rounds), and with filtering
@@ -56,6 +57,10 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     ``ds_short_groups`` (groups still missing after the last round). When no
     round found a group with signal, ``scored`` is empty: the step has nothing
     to learn from and the caller skips the update.
+    ``token_budget`` (the run's generated-token budget still left): no refill
+    round starts once this step's rounds have generated that many tokens, so a
+    budget-capped run overshoots by less than one round (never by several
+    rounds of refills).
     A sample whose grader timed out or crashed is re-scored with a fresh
     grader up to ``verifier_retries`` times; a group still holding one is
     dropped whole (``unscored``: never scored 0, never trained as a partial group).
@@ -77,7 +82,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     verify_stats: dict[str, float] = {}
     for round_index in range(rounds):
         need = num_prompts - len(rewards)
-        if need <= 0:
+        if need <= 0 or (round_index and token_budget is not None and generated >= token_budget):
             break
         done_rounds += 1
         if round_index:

@@ -86,7 +86,9 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
                                 group_size=spec.group_size, max_tokens=spec.max_tokens,
                                 truncation_penalty=spec.truncation_penalty,
                                 fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
-                                pool=s.reward_pool)
+                                pool=s.reward_pool,
+                                token_budget=None if spec.max_generated_tokens is None
+                                else spec.max_generated_tokens - total_generated)
         scored = sampled.scored
         total_generated += sampled.num_generated_tokens
         trained_version = s.learner.policy_version  # unchanged by train_step when every update is skipped

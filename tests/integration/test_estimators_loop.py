@@ -152,3 +152,20 @@ def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_h
     assert last["generated_tokens_total"] >= 100
     assert last["generated_tokens_total"] - last["generated_tokens"] < 100  # the step before was still under it
     assert session.learner.policy_version == steps[-1] + 1
+
+
+def test_token_budget_stops_dapo_refills_within_the_step(plugins, _rlctl_home, tiny_policy_dir):
+    """Refill rounds stop once the budget is spent, so DAPO overshoots an ablation's budget by less than one
+    round of tokens, not by up to max_sample_rounds rounds. Greedy sampling makes every group all-equal, so
+    without the budget all 6 rounds would run."""
+    from rlctl.engine.loop import LoopSpec, run_sync
+
+    session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6",
+                       "rollout.temperature=0.0", "train.steps=20", "train.max_generated_tokens=1")
+    sink = ListSink()
+    last = run_sync(session, LoopSpec.from_config(session.config), [sink])
+    assert sorted(sink.rows) == [0]  # the first round spends the budget: no refill round, no second step
+    assert last["ds_sample_rounds"] == 1 and last["ds_refill_prompts"] == 0
+    assert last["ds_dropped_groups"] == session.config.algo.prompts_per_step
+    cfg = session.config
+    assert last["generated_tokens_total"] <= cfg.algo.prompts_per_step * cfg.algo.group_size * cfg.rollout.max_tokens
