@@ -84,7 +84,7 @@ class ReinforcePP(_Outcome):
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
         return F.reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
-                                       inputs.token_kl, inputs.kl_coef)
+                                         inputs.token_kl, inputs.kl_coef)
 
 
 class _OwnClip(GRPO):
