@@ -265,3 +265,18 @@ def test_the_policy_tokenizer_defaults_to_the_policy_model(plugins, tiny_policy_
     user = load_config(None, [f"model.path={tiny_policy_dir}"])
     assert reward_options(user, plugins, "reward_model", opts)["policy_tokenizer"] == str(tiny_policy_dir)
     assert reward_options(user, plugins, "math", {}) == {}
+
+
+@pytest.mark.slow  # two spawned grader processes import torch: ~15 s on a busy box
+def test_parallel_reward_workers_score_through_the_server_in_input_order(plugins, rm):
+    from functools import partial
+
+    from rlctl.engine.reward_mix import MixedReward
+    from rlctl.engine.reward_pool import ProcessRewardPool
+
+    reward = build(plugins, [rm.url])
+    samples = [traj(f"{k}+{k}=", str(2 * k)) for k in range(6)]
+    alone = [reward.score(t, "0").total for t in samples]
+    with ProcessRewardPool(partial(MixedReward, [("reward_model", 1.0, reward)]), workers=2, timeout_s=60) as pool:
+        pooled = pool.score(samples, ["0"] * len(samples))
+    assert all(r.ok for r in pooled) and [r.total for r in pooled] == pytest.approx(alone, abs=1e-5)
