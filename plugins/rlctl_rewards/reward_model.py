@@ -1,9 +1,10 @@
 """The "reward_model" reward: score (prompt, response) with a learned reward model behind ``rlctl serve reward``.
 
 What this is: a RewardFunction that POSTs each sample's prompt (the
-trajectory's prompt tokens decoded with the policy's tokenizer) and response
-text to one of ``servers`` (``rlctl serve reward --model DIR``) and returns the
-reward model's scalar score.
+trajectory's prompt tokens decoded with the policy's tokenizer, BOS and
+padding left out: the prompt as the policy saw it, a rendered chat template
+included) and response text to one of ``servers`` (``rlctl serve reward
+--model DIR``) and returns the reward model's scalar score.
 
 Failures are flagged, never a score of 0:
 
@@ -92,6 +93,8 @@ class RewardModelReward:
         self.options = options
         self._api_key = os.environ.get(options.api_key_env) or None
         self._tokenizer = _policy_tokenizer(options.policy_tokenizer)
+        # BOS / padding frame the prompt for the policy; chat-template tokens (<|im_start|>) are its text
+        self._framing = {t for t in (self._tokenizer.bos_token_id, self._tokenizer.pad_token_id) if t is not None}
         self._next = 0
         self._lock = threading.Lock()
         self.model_hash = self._model_hash()
@@ -170,7 +173,7 @@ class RewardModelReward:
         from rlctl.serve.client import CallError, call_json
 
         started = time.perf_counter()
-        prompt = self._tokenizer.decode(list(trajectory.prompt_tokens), skip_special_tokens=True)
+        prompt = self._tokenizer.decode([t for t in trajectory.prompt_tokens if t not in self._framing])
         body = {"prompt": prompt, "response": trajectory.response_text}
         servers = self.options.servers
         with self._lock:
