@@ -27,11 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args(argv)
 
-    from rlctl.models.reward_model import build_tiny_reward_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlctl.models.reward_model import build_tiny_reward_model, pairwise_accuracy
 
     path = build_tiny_reward_model(args.out, seed=args.seed, fit_steps=args.fit_steps,
                                    hidden_size=args.hidden_size, num_layers=args.layers)
-    print(f"wrote {path}: LlamaForSequenceClassification, num_labels=1")
+    model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True).eval()
+    accuracy = pairwise_accuracy(model, AutoTokenizer.from_pretrained(path, local_files_only=True))
+    print(f"wrote {path}: LlamaForSequenceClassification, num_labels=1; right sum above a wrong one in "
+          f"{accuracy:.1%} of 200 held-out a+b= pairs (chance: 50%)")
     return 0
 
 

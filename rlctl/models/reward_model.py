@@ -4,8 +4,9 @@ What this is: ``build_tiny_reward_model(out)`` writes a Hugging Face
 ``LlamaForSequenceClassification`` (``num_labels=1``: one scalar score per
 sequence) with rlctl's character tokenizer. Nothing is downloaded. With
 ``fit_steps`` it is briefly fitted (Bradley-Terry on pairs) to prefer
-``a+b=`` followed by the right sum over a wrong one, so its scores carry some
-signal; with 0 the weights are random (seeded).
+``a+b=`` followed by the right sum over a wrong one -- a weak signal at this
+size (``scripts/make_reward_model.py --fit-steps 200`` prints its held-out
+pairwise accuracy); with 0 the weights are random (seeded).
 
 What this is not: a trained preference model. Real runs serve their own
 (``rlctl serve reward --model DIR``).
@@ -78,3 +79,18 @@ def fit_arithmetic_preference(model: Any, tokenizer: Any, *, steps: int, seed: i
         losses.append(float(loss.detach()))
     model.eval()
     return losses
+
+
+def pairwise_accuracy(model: Any, tokenizer: Any, pairs: int = 200, seed: int = 1) -> float:
+    """Share of held-out ``a+b=`` pairs where the right sum scores above a wrong one (0.5 = chance)."""
+    import torch
+
+    rng = random.Random(seed)
+    wins = 0
+    with torch.inference_mode():
+        for _ in range(pairs):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            wrong = a + b + rng.choice([-2, -1, 1, 2])
+            good, bad = (model(**tokenizer(f"{a}+{b}={v}", return_tensors="pt")).logits[0, 0] for v in (a + b, wrong))
+            wins += int(good > bad)
+    return wins / pairs
