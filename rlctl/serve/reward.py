@@ -13,8 +13,9 @@ Routes:
                              batching counters
 
 A prompt/response pair is scored as one sequence: with the tokenizer's chat
-template as ``[user: prompt, assistant: response]``, else ``prompt +
-response`` as plain text. The score is the model's single logit at the last
+template as ``[user: prompt, assistant: response]`` (its text tokenized as is:
+the template adds any BOS), else ``prompt + response`` as plain text (with the
+tokenizer's usual special tokens, like ``text``). The score is the model's single logit at the last
 token (``AutoModelForSequenceClassification``, ``num_labels = 1``); a
 non-finite score is ``null``, never a number.
 

@@ -407,3 +407,26 @@ def test_many_generated_bodies_never_break_the_server(live, body):
 def test_the_server_is_healthy_after_the_generated_bodies(live):
     healthy_after(live)
     assert live.request("GET", "/server_info")[1]["rlctl"]["requests"] > 0
+
+
+def test_a_tokenizer_with_a_chat_template_encodes_pairs_with_it_and_changes_the_hash(tiny_reward_model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    chat = tmp_path / "chat-rm"
+    shutil.copytree(tiny_reward_model_dir, chat)
+    tok = AutoTokenizer.from_pretrained(chat, local_files_only=True)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(chat)
+    plain, templated = build_reward_service(tiny_reward_model_dir), build_reward_service(chat)
+    try:
+        assert templated.info()["pair_encoding"] == "chat_template" and plain.info()["pair_encoding"] == "concatenate"
+        assert templated.model_hash != plain.model_hash  # same weights, another encoding: another grader
+        rendered = templated.tokenizer("[user] 3+4= [assistant] 7 ", add_special_tokens=False)["input_ids"]
+        assert templated.encode("3+4=", "7") == rendered  # the template's text, no tokens added around it
+        _, pair = templated.score({"prompt": "3+4=", "response": "7"})
+        assert pair["scores"] == pytest.approx(templated.worker.score([rendered]), abs=1e-5)
+    finally:
+        plain.close()
+        templated.close()
