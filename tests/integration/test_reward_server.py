@@ -203,10 +203,11 @@ def test_a_forward_pass_that_fails_is_retried_per_request_so_only_its_request_fa
     """The model thread's isolation, with a forward function that fails on one poisoned row."""
     from rlctl.serve.reward import ScoreWorker
 
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
-    def forward(rows):  # a stand-in model: first call waits so the next requests queue up together
-        gate.wait(5)
+    def forward(rows):  # a stand-in model: the first call waits so the next requests queue up together
+        entered.set()
+        gate.wait(10)
         if any(99 in r for r in rows):
             raise RuntimeError("poisoned row")
         return [float(sum(r)) for r in rows]
@@ -222,18 +223,20 @@ def test_a_forward_pass_that_fails_is_retried_per_request_so_only_its_request_fa
 
     first = threading.Thread(target=call, args=("first", [[1]]))
     first.start()
-    time.sleep(0.2)  # the first call holds the model thread at the gate
+    assert entered.wait(10)  # the first call holds the model thread at the gate
+    deadline = time.monotonic() + 10
     rest = [threading.Thread(target=call, args=(n, r)) for n, r in (("a", [[1, 2]]), ("bad", [[99]]), ("b", [[3]]))]
     for t in rest:
         t.start()
-    time.sleep(0.2)
+    while worker._queue.qsize() < 3 and time.monotonic() < deadline:  # all three wait: they share the next pass
+        time.sleep(0.005)
     gate.set()
     for t in [first, *rest]:
         t.join(10)
     worker.close()
     assert results["first"] == [1.0] and results["a"] == [3.0] and results["b"] == [3.0], results
     assert isinstance(results["bad"], RuntimeError)
-    assert worker.stats.retried_alone == 3  # the shared pass failed; each of its 3 requests ran alone
+    assert worker.stats.retried_alone == 3, worker.stats  # the shared pass failed; each of its 3 ran alone
 
 
 def test_nan_literal_and_broken_bodies_get_a_400_response(live):
