@@ -435,7 +435,7 @@ def load_reward_model(model_dir: str | Path) -> tuple[Any, Any, Path]:
     from rlctl.models.load import check_model_dir
 
     hint = ("pass --model a directory written by save_pretrained of an AutoModelForSequenceClassification with "
-            "num_labels=1 (a tiny one: `python bench/make_reward_model.py DIR`)")
+            "num_labels=1 (a tiny one: `python scripts/make_reward_model.py DIR`)")
     try:
         root = check_model_dir(model_dir)
     except ModelError as err:

@@ -295,7 +295,7 @@ def test_a_causal_lm_or_a_multi_label_model_is_refused_with_a_hint(tiny_policy_d
 
     with pytest.raises(ModelError, match="not a sequence-classification reward model") as err:
         build_reward_service(tiny_policy_dir)
-    assert "make_reward_model.py" in err.value.hint
+    assert "scripts/make_reward_model.py" in err.value.hint
     multi = build_tiny_reward_model(tmp_path / "multi")
     cfg = json.loads((multi / "config.json").read_text())
     cfg["id2label"] = {"0": "a", "1": "b"}
