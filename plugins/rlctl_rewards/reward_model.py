@@ -17,8 +17,9 @@ Failures are flagged, never a score of 0:
   both of which the engine re-scores with a fresh grader
   (``faults.verifier_retries``) and otherwise drops with their whole group;
 - a request the server refuses (4xx: too long for the model, a wrong API key)
-  is "reward_model_refused" and a non-finite score "invalid_reward": verdicts
-  about this sample, not retried.
+  is "reward_model_refused" (a refused batch is re-sent sample by sample, so
+  only the sample at fault is flagged) and a non-finite score
+  "invalid_reward": verdicts about this sample, not retried.
 
 Version: ``reward_model@1.0+<model_hash>``, where ``model_hash`` is what the
 servers' ``/info`` report (weights with the head, config, tokenizer, pair
@@ -27,17 +28,21 @@ must come back with it, so the grader version (and with it the dataset
 version, so a resume) always names the model that scored. The API key is read
 from the environment variable ``api_key_env``, never from the config.
 
-What this is not: the server (rlctl.serve.reward) or a batching client: it
-sends one sample per request; the server batches concurrent requests (from
-``reward.workers`` grader processes, or several trainers).
+Batches: the engine grades a step's samples through ``score_batch``, which
+sends ``batch_size`` samples per request; the server also batches concurrent
+requests (``reward.workers`` grader processes, several trainers). A failed
+request flags every sample in it.
+
+What this is not: the server (rlctl.serve.reward).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -67,6 +72,8 @@ class RewardModelOptions(BaseModel):
                          "the next server; past them the sample is flagged (error_code), never scored 0.")
     backoff_s: float = Field(0.2, ge=0, le=60, description="Pause before the first retry; doubles each retry.")
     backoff_max_s: float = Field(5.0, ge=0, le=600, description="Longest pause between two attempts.")
+    batch_size: int = Field(64, ge=1, le=4096, description="Samples per /score request when the engine grades a "
+                            "batch (at most the server's --max-texts, default 256).")
     policy_tokenizer: str | None = Field(
         None, description="Tokenizer directory that decodes the trajectory's prompt tokens into the prompt text "
         "sent to the reward model; defaults to model.path (the built-in character tokenizer for the built-in model).")
@@ -170,11 +177,24 @@ class RewardModelReward:
     # -- scoring ---------------------------------------------------------------------------
 
     def score(self, trajectory: Trajectory, reference: str) -> RewardResult:
+        return self.score_batch([trajectory], [reference])[0]
+
+    def score_batch(self, trajectories: Sequence[Trajectory], references: Sequence[str]) -> list[RewardResult]:
+        """Scores of many samples, ``batch_size`` per request (the server batches them into forward passes)."""
+        out: list[RewardResult] = []
+        size = self.options.batch_size
+        for start in range(0, len(trajectories), size):
+            out += self._score_chunk(trajectories[start:start + size])
+        return out
+
+    def _score_chunk(self, trajectories: Sequence[Trajectory]) -> list[RewardResult]:
         from rlctl.serve.client import CallError, call_json
 
         started = time.perf_counter()
-        prompt = self._tokenizer.decode([t for t in trajectory.prompt_tokens if t not in self._framing])
-        body = {"prompt": prompt, "response": trajectory.response_text}
+        n = len(trajectories)
+        body = {"prompt": [self._tokenizer.decode([t for t in traj.prompt_tokens if t not in self._framing])
+                           for traj in trajectories],
+                "response": [traj.response_text for traj in trajectories]}
         servers = self.options.servers
         with self._lock:
             first = self._next
@@ -190,32 +210,36 @@ class RewardModelReward:
                                    api_key=self._api_key)
             except CallError as err:
                 if err.status is not None and err.status not in RETRIED_STATUSES:
-                    return self._flag("reward_model_refused", started, f"{url}: {err.message}")
+                    if n > 1 and err.status not in (401, 403):  # one sample's problem: find it, score the rest
+                        return [r for traj in trajectories for r in self._score_chunk([traj])]
+                    return [self._flag("reward_model_refused", started, f"{url}: {err.message}", n)] * n
                 timed_out = err.timed_out
                 failures.append(f"{url}: {err.message}")
                 continue
+            timed_out = False
             scores = answer.get("scores") if isinstance(answer, dict) else None
-            if not isinstance(scores, list) or len(scores) != 1:
-                timed_out = False
-                failures.append(f"{url}: answered without one score ({str(answer)[:80]})")
+            if not isinstance(scores, list) or len(scores) != n:
+                failures.append(f"{url}: answered without {n} score(s) ({str(answer)[:80]})")
                 continue
             if answer.get("model_hash") != self.model_hash:
-                timed_out = False
                 failures.append(f"{url}: now serves model {answer.get('model_hash')}, this run scores with "
                                 f"{self.model_hash}")
                 continue
-            value = scores[0]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                return self._flag("invalid_reward", started, f"{url}: non-finite score ({value!r})")
-            log = f"{url}" + (f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else "")
-            return RewardResult(total=float(value), components={"reward_model": float(value)},
-                                grader_version=self.version, latency_s=time.perf_counter() - started, log=log)
+            log = url + (f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else "")
+            return [self._result(value, started, log, n) for value in scores]
         code = "timeout:reward_model" if timed_out else "grader_error:reward_model"
-        return self._flag(code, started, f"{1 + self.options.retries} attempt(s) failed: " + "; ".join(failures))
+        log = f"{1 + self.options.retries} attempt(s) failed: " + "; ".join(failures)
+        return [self._flag(code, started, log, n)] * n
 
-    def _flag(self, code: str, started: float, log: str) -> RewardResult:
+    def _result(self, value: Any, started: float, log: str, n: int) -> RewardResult:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return self._flag("invalid_reward", started, f"{log}: non-finite score ({value!r})", n)
+        return RewardResult(total=float(value), components={"reward_model": float(value)},
+                            grader_version=self.version, latency_s=(time.perf_counter() - started) / n, log=log)
+
+    def _flag(self, code: str, started: float, log: str, n: int = 1) -> RewardResult:
         return RewardResult(total=0.0, components={}, grader_version=self.version, error_code=code,
-                            latency_s=time.perf_counter() - started, log=log[:1000])
+                            latency_s=(time.perf_counter() - started) / n, log=log[:1000])
 
 
 def _policy_tokenizer(path: str | None) -> Any:

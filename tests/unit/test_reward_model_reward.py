@@ -280,3 +280,50 @@ def test_parallel_reward_workers_score_through_the_server_in_input_order(plugins
     with ProcessRewardPool(partial(MixedReward, [("reward_model", 1.0, reward)]), workers=2, timeout_s=60) as pool:
         pooled = pool.score(samples, ["0"] * len(samples))
     assert all(r.ok for r in pooled) and [r.total for r in pooled] == pytest.approx(alone, abs=1e-5)
+
+
+# -- batches: the engine grades a step in few requests -------------------------------------------------------
+
+
+def test_a_step_is_scored_in_batch_size_requests_with_the_same_results(plugins, rm):
+    from rlctl.engine.reward_mix import MixedReward
+    from rlctl.engine.scoring import score_all
+
+    model = build(plugins, [rm.url], batch_size=4)
+    mix = MixedReward([("reward_model", 0.5, model), ("math", 1.0, plugins.build("reward_function", "math", {}, "t"))])
+    samples = [traj(f"{k}+1=", str(k + 1) if k % 2 else "0").updated(prompt_id=f"p{k}", id=f"p{k}/0")
+               for k in range(10)]
+    refs = {f"p{k}": str(k + 1) for k in range(10)}
+    one_by_one = [mix.score(t, refs[t.prompt_id]) for t in samples]
+    before = rm.service.worker.stats.requests
+    scored, latencies = score_all(samples, refs, mix, None)  # in-process: through score_batch
+    assert rm.service.worker.stats.requests - before == 3  # 10 samples, 4 per request
+    assert [t.reward for t in scored] == pytest.approx([r.total for r in one_by_one], abs=1e-5)
+    assert all(t.reward_components.keys() == {"reward_model", "math"} for t in scored)
+    assert all(lat > 0 for lat in latencies)
+
+
+def test_a_refused_batch_flags_only_the_sample_at_fault(plugins, rm):
+    reward = build(plugins, [rm.url])
+    samples = [traj("1+1=", "2"), traj("1+1=", "2" * 400), traj("2+2=", "4")]  # the middle one is too long
+    results = reward.score_batch(samples, ["2", "2", "4"])
+    assert [r.error_code for r in results] == [None, "reward_model_refused", None]
+    assert "positions" in results[1].log and results[0].total == pytest.approx(reward.score(samples[0], "2").total)
+
+
+def test_a_batch_call_that_fails_flags_every_sample_in_it_and_spares_the_others(plugins):
+    from rlctl.engine.reward_mix import MixedReward
+
+    class Broken:
+        name, version = "broken", "broken@1"
+
+        def score(self, trajectory, reference):
+            raise AssertionError("score_batch is used")
+
+        def score_batch(self, trajectories, references):
+            raise ConnectionError("service gone")
+
+    mix = MixedReward([("math", 1.0, plugins.build("reward_function", "math", {}, "t")), ("rm", 1.0, Broken())])
+    results = mix.score_batch([traj(response="7"), traj(response="8")], ["7", "7"])
+    assert [r.error_code for r in results] == ["grader_error:rm", "grader_error:rm"]
+    assert all("service gone" in r.log and r.components == {"math": r.components["math"]} for r in results)
