@@ -161,7 +161,7 @@ class RewardModelReward:
                 if err.status is not None and err.status not in RETRIED_STATUSES:
                     hint = (f"set the server's API key in ${self.options.api_key_env}" if err.status == 401 else
                             "point reward.components[].options.servers at `rlctl serve reward` servers")
-                    raise ConfigError(f"reward model server {err.message}", hint) from None
+                    raise ConfigError(f"reward model server {url}: {err.message}", hint) from None
                 last = err
                 continue
             value = info.get("model_hash") if isinstance(info, dict) else None
