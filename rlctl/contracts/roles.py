@@ -167,6 +167,24 @@ class CheckpointableLearner(Protocol):
 
 
 @runtime_checkable
+class ShardedCheckpointLearner(Protocol):
+    """A learner whose ranks each write their own shard of a checkpoint (optional, e.g. FSDP2).
+
+    ``save_shards`` is called between two steps with an empty directory inside
+    the checkpoint being written (``<checkpoint>/shards``); every rank writes
+    its files there and the call returns the rest of the state (no tensors in
+    ``weights``; ``shard_dir`` set). The checkpoint store then checksums the
+    shard files into the same COMMITTED manifest as every other file.
+    ``load_shards`` restores from a verified checkpoint's ``shard_dir``, also
+    on a different number of ranks than saved it (resharding).
+    """
+
+    def save_shards(self, directory: str) -> LearnerState: ...
+
+    def load_shards(self, state: LearnerState) -> None: ...
+
+
+@runtime_checkable
 class StatefulRollout(Protocol):
     """A rollout backend with its own resumable state (optional, e.g. a seeded sampler).
 
@@ -190,6 +208,10 @@ class CheckpointStore(Protocol):
 
     def save(self, state: CheckpointState) -> str:
         """Start saving ``state``; return the checkpoint's path."""
+        ...
+
+    def stage_shards(self, step: int) -> str:
+        """An empty ``shards`` directory inside step ``step``'s (uncommitted) checkpoint, for a sharded learner."""
         ...
 
     def wait(self) -> None: ...
