@@ -93,7 +93,9 @@ class _Rank(TorchLearner):
     def save_full(self, directory: str) -> None:
         state = self.full_state()
         if dist.get_rank() == 0:
-            self.model.save_pretrained(directory, state_dict=state)
+            # gathered copies no longer share storage: drop tied aliases by name, as save_pretrained would
+            own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+            self.model.save_pretrained(directory, state_dict={k: v for k, v in state.items() if k in own})
 
     # -- sharded checkpoints (a collective: every rank runs these) ---------------------------------
 
