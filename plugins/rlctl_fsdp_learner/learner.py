@@ -204,14 +204,14 @@ def _init_group(device: torch.device, port: int, rank: int, world: int, timeout_
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _follow(rank: int, world: int, port: int, ctx: LearnerContext, options: FsdpLearnerOptions,
+def _follow(make_rank: Any, rank: int, world: int, port: int, ctx: LearnerContext, options: Any,
             device: torch.device, commands: Any, errors: Any) -> None:
     """A follower rank: join the group, build its shard, then run rank 0's commands until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parent = os.getppid()
     try:
         _init_group(device, port, rank, world, options.rank_timeout_s)
-        me = _Rank(_rank_ctx(ctx, device, rank), options, rank, world)
+        me = make_rank(_rank_ctx(ctx, device, rank), options, rank, world)
         while True:
             try:
                 name, args = pickle.loads(commands.get(timeout=_POLL_S))
@@ -228,10 +228,18 @@ def _follow(rank: int, world: int, port: int, ctx: LearnerContext, options: Fsdp
         raise SystemExit(1) from None
 
 
-class FsdpLearner:
-    """LearnerBackend: rank 0 of an FSDP2 group; starts and commands ranks 1..N-1."""
+class RankGroup:
+    """LearnerBackend: rank 0 of a sharded learner's group; starts and commands ranks 1..N-1.
 
-    def __init__(self, ctx: LearnerContext, options: FsdpLearnerOptions | None = None) -> None:
+    ``make_rank`` (a picklable class or function taking ``(ctx, options,
+    rank, world)``) builds each rank's learner; FsdpLearner's is the FSDP2
+    rank, rlctl_deepspeed_learner's a DeepSpeed ZeRO rank.
+    """
+
+    make_rank: Any = _Rank
+    label = "FSDP2"
+
+    def __init__(self, ctx: LearnerContext, options: Any = None) -> None:
         self.options = options or FsdpLearnerOptions()
         self.world = self.options.world_size
         device = resolve_device(ctx.device, "train.device")
@@ -241,13 +249,13 @@ class FsdpLearner:
                               "lower world_size to the number of GPUs on this node")
         if dist.is_initialized():
             raise RoleError("this process already belongs to a torch.distributed group",
-                            "run one FSDP2 learner per process (close the previous one first)")
+                            f"run one {self.label} learner per process (close the previous one first)")
         mp = torch.multiprocessing.get_context("spawn")
         port = _free_port()
         self._errors = mp.Queue()
         self._commands = [mp.Queue() for _ in range(1, self.world)]
-        self._procs = [mp.Process(target=_follow, name=f"rlctl-fsdp-rank{r}", daemon=True,
-                                  args=(r, self.world, port, ctx, self.options, device, self._commands[r - 1],
+        self._procs = [mp.Process(target=_follow, name=f"rlctl-{self.label.lower()}-rank{r}", daemon=True,
+                                  args=(type(self).make_rank, r, self.world, port, ctx, self.options, device, self._commands[r - 1],
                                         self._errors))
                        for r in range(1, self.world)]
         self._broken: str | None = None
@@ -255,7 +263,7 @@ class FsdpLearner:
             p.start()
         try:
             _init_group(device, port, 0, self.world, self.options.rank_timeout_s)
-            self._rank = _Rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
+            self._rank = type(self).make_rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
         except Exception as err:
             self._fail("start-up", err)
         self.device = self._rank.device
@@ -266,7 +274,7 @@ class FsdpLearner:
     def _run(self, name: str, *args: Any) -> Any:
         """Run ``name`` on every rank (the followers get it first); rank 0's result."""
         if self._broken:
-            raise RoleError(f"the FSDP2 learner group is down ({self._broken})", "restart or resume the run")
+            raise RoleError(f"the {self.label} learner group is down ({self._broken})", "restart or resume the run")
         message = pickle.dumps((name, args))  # a copy, taken now: rank 0 goes on using the same tensors
         for q in self._commands:
             q.put(message)
@@ -355,6 +363,14 @@ class FsdpLearner:
     def save_pretrained(self, directory: str) -> None:
         self._run("save_full", directory)
 
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        """Rank 0's own shards (what this process holds), by ledger term."""
+        return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
+
+
+class FsdpLearner(RankGroup):
+    """The FSDP2 learner: a RankGroup of FSDP2 ranks, with sharded checkpoints (ShardedCheckpointLearner)."""
+
     def save_shards(self, directory: str) -> LearnerState:
         """Every rank writes its shard of weights and AdamW state into ``directory``; the rest of the state."""
         return self._run("save_shards", directory)
@@ -362,7 +378,3 @@ class FsdpLearner:
     def load_shards(self, state: LearnerState) -> None:
         """Every rank reads its (possibly resharded) pieces from ``state.shard_dir``; the rest from ``state``."""
         self._run("load_shards", state)
-
-    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
-        """Rank 0's own shards (what this process holds), by ledger term."""
-        return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
