@@ -38,6 +38,10 @@ class DeepSpeedLearnerOptions(BaseModel):
         return LearnerMemory(param_bytes=2 if low else 4, master_weights=low, optim_state_bytes=8,
                              zero_stage=self.zero_stage)
 
+    def zero_stages(self) -> tuple[int, ...]:
+        """The stages this learner can be configured for (the dry run lists it for each)."""
+        return (1, 2, 3)
+
     def unavailable(self) -> str | None:
         """Why this learner cannot run here (None: it can); the dry run says so plainly."""
         missing = deepspeed_missing()

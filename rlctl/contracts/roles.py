@@ -143,6 +143,18 @@ class LearnerMemoryTerms(Protocol):
 
 
 @runtime_checkable
+class LearnerAvailability(Protocol):
+    """A learner plugin's validated options that can say it cannot run here (optional).
+
+    ``unavailable()`` returns None when the learner can run, else why not and
+    how to fix it (e.g. an optional dependency that is not installed); the dry
+    run reports it plainly instead of planning for a learner that cannot start.
+    """
+
+    def unavailable(self) -> str | None: ...
+
+
+@runtime_checkable
 class RolloutMemoryTerms(Protocol):
     """A rollout plugin's validated options that describe its memory (see LearnerMemoryTerms)."""
 
