@@ -53,6 +53,26 @@ def _quiet_environment() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _forget_previous_groups() -> None:
+    """Drop DeepSpeed's module-level caches of process groups from an earlier learner in this process.
+
+    DeepSpeed keeps the world / data-parallel groups it derived in globals; after
+    that learner's group was destroyed they name a dead group, and a second
+    learner in the same process (a restart, a test) would fail with "Group ...
+    is not registered". Nothing else in the process uses them.
+    """
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+
+
 class _Rank(TorchLearner):
     """One rank's share: the torch learner's update through a DeepSpeed ZeRO engine."""
 
@@ -65,6 +85,7 @@ class _Rank(TorchLearner):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed reads the launcher's variables; the group itself is already up (rlctl_fsdp_learner._init_group)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        _forget_previous_groups()
         super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False))
         if rank != 0:
             self.reference = None  # reference log-probs are computed by rank 0 alone

@@ -90,3 +90,23 @@ def test_a_killed_rank_is_named_within_the_timeout(session, zero3):
     assert time.monotonic() - started < 30 + 15
     with pytest.raises(RoleError, match="group is down"):
         zero3.logprobs(batch)
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_bf16_keeps_fp32_master_weights_and_adam_moments(session, zero3, stage):
+    """DeepSpeed's bf16 mode: bf16 parameters for compute, the ZeRO optimizer's partitions and moments fp32.
+    (Runs after the killed-rank test, whose group is down: a single-rank group starts in this process.)"""
+    from rlctl_deepspeed_learner.learner import DeepSpeedLearner
+    from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
+
+    zero3.close()
+    learner = DeepSpeedLearner(_ctx(session), DeepSpeedLearnerOptions(zero_stage=stage, world_size=1,
+                                                                      dtype="bfloat16"))
+    try:
+        stats = learner.train_step(rollout_batch(session, advantages=[1.0, -1.0] * 8)[1])
+        assert learner.policy_version == 1 and stats["grad_norm"] > 0
+        dtypes = learner.optimizer_state_dtypes()
+        assert dtypes["compute"] == {torch.bfloat16}
+        assert dtypes["master"] == {torch.float32} and dtypes["moments"] == {torch.float32}
+    finally:
+        learner.close()
