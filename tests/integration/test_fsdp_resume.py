@@ -18,12 +18,20 @@ import pytest
 
 from tests.integration import test_resume as r
 from tests.integration.test_cli import rlctl
-from tests.integration.test_resume import home  # noqa: F401 (the module-scoped RLCTL_HOME fixture)
 
 pytestmark = pytest.mark.slow
 
 FSDP = ("train.learner=fsdp2", "train.learner_options.world_size=2", "train.steps=5", "checkpoint.every_steps=2",
         "checkpoint.async_save=false")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, _rlctl_home):
+    """An RLCTL_HOME of this module's runs, sharing the session's warm-start cache."""
+    path = tmp_path_factory.mktemp("fsdp_home")
+    if (_rlctl_home / "cache").exists():
+        (path / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    return path
 
 
 def _killed_during_step_4(home, run_dir):
