@@ -30,7 +30,9 @@ FSDP2 learner has sharded checkpoints) or data parallel.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -98,8 +100,10 @@ class _Rank(TorchLearner):
             "bf16": {"enabled": options.dtype == "bfloat16"},
             "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
         }
-        self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config,
-                                               dist_init_required=False)
+        # DeepSpeed prints its op builds to stdout; rlctl's stdout is the --json report, so send them to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config,
+                                                   dist_init_required=False)
         self.model = self.engine.module
 
     # the engine owns the forward (ZeRO-3 counts micro-steps there), gradient reduction, clipping and the step
@@ -129,8 +133,6 @@ class _Rank(TorchLearner):
         return list(self.model.parameters())
 
     def _gathered(self):
-        import contextlib
-
         import deepspeed
 
         if self.stage != 3:
