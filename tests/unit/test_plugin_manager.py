@@ -26,7 +26,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 BUILTINS = {
     "task_source": ["arith", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang"],
-    "learner_backend": ["fsdp2", "torch"],
+    "learner_backend": ["deepspeed", "fsdp2", "torch"],
     "critic_backend": ["torch"],
     "reward_function": ["code", "format", "length", "math"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
@@ -142,7 +142,7 @@ def test_builtins_build(tmp_path: Path) -> None:
         ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "code, format, length, math"),
         ("task_source", "jsnol", "jsonl", "arith, jsonl, parquet"),
-        ("learner_backend", "torhc", "torch", "fsdp2, torch"),
+        ("learner_backend", "torhc", "torch", "deepspeed, fsdp2, torch"),
     ],
 )
 def test_unknown_name_lists_installed_and_suggests_closest(kind: str, typo: str, suggestion: str,
