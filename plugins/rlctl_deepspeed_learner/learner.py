@@ -88,7 +88,8 @@ class _Rank(TorchLearner):
         # DeepSpeed reads the launcher's variables; the group itself is already up (rlctl_fsdp_learner._init_group)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         _forget_previous_groups()
-        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False))
+        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False,
+                                                  gradient_checkpointing=options.gradient_checkpointing))
         if rank != 0:
             self.reference = None  # reference log-probs are computed by rank 0 alone
         self.stage = options.zero_stage

@@ -29,6 +29,7 @@ class DeepSpeedLearnerOptions(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype. bfloat16 runs forward and backward in bf16 while DeepSpeed keeps "
         "fp32 master weights and the AdamW moments in fp32.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     rank_timeout_s: float = Field(120.0, gt=0, description="Longest a collective may wait for another rank; a rank "
                                   "that died or hung is reported by number after at most this long.")
 
@@ -36,7 +37,7 @@ class DeepSpeedLearnerOptions(BaseModel):
         dtype = self.dtype if (not gpu_plan or "dtype" in self.model_fields_set) else "bfloat16"
         low = dtype == "bfloat16"
         return LearnerMemory(param_bytes=2 if low else 4, master_weights=low, optim_state_bytes=8,
-                             zero_stage=self.zero_stage)
+                             zero_stage=self.zero_stage, checkpointing=self.gradient_checkpointing)
 
     def zero_stages(self) -> tuple[int, ...]:
         """The stages this learner can be configured for (the dry run lists it for each)."""
