@@ -41,6 +41,16 @@ GRIDS: dict[str, list[list[str]]] = {
         ["algo.prompts_per_step=32", "train.steps=40"],
         ["rollout.temperature=0.7"],
     ],
+    # Screening for a recipe that gains from more than one warm start (README: the quickstart's measured table).
+    "robust": [
+        [],
+        ["rollout.temperature=0.7"],
+        ["algo.prompts_per_step=32"],
+        ["algo.prompts_per_step=32", "train.optim.lr=5e-5"],
+        ["algo.prompts_per_step=64", "train.optim.lr=1e-4", "train.steps=30"],
+        ["algo.group_size=16"],
+        ["algo.ppo_epochs=2", "algo.num_mini_batches=2"],
+    ],
     "ppo": [
         ["algo.name=ppo"],
         ["algo.name=ppo", "algo.critic.lr=1e-4"],
