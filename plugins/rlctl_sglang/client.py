@@ -17,6 +17,7 @@ import urllib.request
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
+from rlctl.engine.faults import fault_site
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -46,7 +47,8 @@ class ServerClient:
 
     def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
+        base = fault_site("rollout.connect", self.url, server=self.url, path=path)  # a partition (injected)
+        request = urllib.request.Request(base + path, data=data, method=method, headers=self._headers)
         try:
             with _OPENER.open(request, timeout=timeout_s or self.timeout_s) as resp:
                 raw = resp.read()
@@ -74,6 +76,9 @@ class ServerClient:
                 raise
             self._info_path = "/get_model_info"  # an older server
             return self._call("GET", self._info_path, timeout_s=timeout_s)
+
+    def server_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("GET", "/get_server_info", timeout_s=timeout_s)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
