@@ -113,3 +113,16 @@ def test_weight_sync_failure_is_retried_until_the_server_confirms(_rlctl_home, s
     assert info["weight_version"] == str(STEPS)
     assert server.get("/get_server_info")["rlctl"]["rows"] - rows == STEPS * 4 * 4  # no step was generated twice
     _trained_every_step_exactly_once(_metrics(reg, run_dir))
+
+
+def test_a_partition_past_the_reconnect_timeout_stops_the_run_with_the_runbook(_rlctl_home, server, tmp_path):
+    from rlctl.contracts.errors import RoleError
+
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "part-long", "rollout.backend=sglang", f"train.steps={STEPS}",
+                               _sglang(tmp_path, server.url, reconnect_timeout_s=1.0),
+                               _fault("network-partition", duration_s=600.0), expect_error=True)
+    assert isinstance(err, RoleError) and f"no rollout server of ['{server.url}'] reachable" in err.message
+    assert "rlctl runbook show network-partition" in err.hint
+    assert _events(reg, run_dir, "rollout_partition") and not _events(reg, run_dir, "rollout_reconnected")
+    assert reg.get_run(_run_id(run_dir)).status == "failed"
+    assert server.get("/get_model_info")["weight_version"] == "1"  # it was never touched during the partition
