@@ -22,7 +22,8 @@ handler produces the real failure, never a log line that pretends one:
 - ``worker-crash``: SIGKILLs a rollout server process (an ``rlctl serve
   rollout`` behind the ``sglang`` backend, found by the pid it reports, on
   this host only) at ``rollout.dispatch``, after the health check and before
-  that server gets its share of the step's prompt groups.
+  that server gets its share of the step's prompt groups. (Ray rollout
+  actors are not a target yet.)
 - ``network-partition``: for ``duration_s`` seconds from the faulted step,
   every HTTP call the ``sglang`` backend makes to a rollout server (or only to
   ``target``, a server URL) goes to a local port that refuses connections
@@ -224,7 +225,7 @@ class WorkerCrashOptions(_Options):
 
 
 class WorkerCrash:
-    """SIGKILL a rollout server process at the step ``at_step`` dispatch (the ``sglang`` backend's servers)."""
+    """SIGKILL a rollout server process (the ``sglang`` backend's servers) at step ``at_step``."""
 
     def __init__(self, options: WorkerCrashOptions | None = None) -> None:
         self.options = options or WorkerCrashOptions()
