@@ -43,6 +43,10 @@ def _metrics(reg, run_dir: Path) -> dict[tuple[int, str], float]:
     return {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
 
 
+def _alerted(reg, run_dir: Path) -> set[str]:
+    return {e.data["runbook"] for e in _events(reg, run_dir, "alert")}
+
+
 def _fault(kind: str, at_step: int = 1, **options) -> str:
     return "faults.inject=" + json.dumps([{"kind": kind, "at_step": at_step, "options": options}])
 
@@ -73,6 +77,7 @@ def test_worker_crash_reroutes_the_dead_servers_groups(_rlctl_home, tiny_policy_
         lost = _events(reg, run_dir, "rollout_server_lost")
         assert lost and lost[0].data["server"] == servers[0].url and lost[0].data["step"] == 1
         assert sum(e.data["groups"] for e in lost if e.data["step"] == 1) >= 1
+        assert "worker-crash" in _alerted(reg, run_dir)  # the live alert named the runbook
         _trained_every_step_exactly_once(_metrics(reg, run_dir))
     finally:
         for s in servers:
@@ -90,6 +95,7 @@ def test_network_partition_pauses_fences_and_reconnects(_rlctl_home, server, tmp
     [paused] = _events(reg, run_dir, "rollout_partition")
     [back] = _events(reg, run_dir, "rollout_reconnected")
     assert paused.data["step"] == back.data["step"] == 1 and back.data["servers"] == [server.url]
+    assert "network-partition" in _alerted(reg, run_dir)
     # no duplicated work: the server generated each step's B x G samples once (the failed calls never reached it)
     assert server.get("/get_server_info")["rlctl"]["rows"] - rows == STEPS * 4 * 4
     _trained_every_step_exactly_once(_metrics(reg, run_dir))
@@ -107,6 +113,7 @@ def test_weight_sync_failure_is_retried_until_the_server_confirms(_rlctl_home, s
     failed, recovered = _events(reg, run_dir, "weight_sync_failed"), _events(reg, run_dir, "weight_sync_recovered")
     assert failed and {e.data["step"] for e in failed} == {1}
     assert recovered and {e.data["step"] for e in recovered} == {1}
+    assert "weight-sync-failure" in _alerted(reg, run_dir)
     if stage == "apply":  # the server refused the damaged version, and kept serving the previous one meanwhile
         assert any("refused" in e.message or "sha256" in e.message for e in failed)
     info = server.get("/get_model_info")
