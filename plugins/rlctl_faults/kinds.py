@@ -22,8 +22,10 @@ handler produces the real failure, never a log line that pretends one:
 - ``worker-crash``: SIGKILLs a rollout server process (an ``rlctl serve
   rollout`` behind the ``sglang`` backend, found by the pid it reports, on
   this host only) at ``rollout.dispatch``, after the health check and before
-  that server gets its share of the step's prompt groups. (Ray rollout
-  actors are not a target yet.)
+  that server gets its share of the step's prompt groups; with
+  ``cluster.backend: ray`` it SIGKILLs a rollout actor's process (``target``:
+  a worker name such as ``ray-1``) at ``rollout.worker``, just before that
+  worker's generate call.
 - ``network-partition``: for ``duration_s`` seconds from the faulted step,
   every HTTP call the ``sglang`` backend makes to a rollout server (or only to
   ``target``, a server URL) goes to a local port that refuses connections
@@ -225,7 +227,7 @@ class WorkerCrashOptions(_Options):
 
 
 class WorkerCrash:
-    """SIGKILL a rollout server process (the ``sglang`` backend's servers) at step ``at_step``."""
+    """SIGKILL a rollout server (``sglang`` backend) or a Ray rollout actor's process at step ``at_step``."""
 
     def __init__(self, options: WorkerCrashOptions | None = None) -> None:
         self.options = options or WorkerCrashOptions()
@@ -250,7 +252,22 @@ class WorkerCrash:
                 time.sleep(0.05)  # the kernel closes its socket when the process is gone
             return value
 
-        return arm("rollout.dispatch", handler)
+        def on_worker(value: Any, worker: Any = None, **_: Any) -> Any:
+            pid_of = getattr(worker, "pid", None)  # Ray workers; in-process thread workers have no process
+            if pid_of is None or (ctx.target and worker.name != ctx.target) or not ctx.due():
+                return value
+            pid = pid_of()
+            ctx.fire(f"rollout worker {worker.name} (pid {pid}) SIGKILLed", {"worker": worker.name, "pid": pid})
+            os.kill(pid, signal.SIGKILL)
+            return value
+
+        disarms = [arm("rollout.dispatch", handler), arm("rollout.worker", on_worker)]
+
+        def disarm_all() -> None:
+            for disarm in disarms:
+                disarm()
+
+        return disarm_all
 
 
 class PartitionOptions(_Options):
