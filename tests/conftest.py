@@ -9,6 +9,9 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# DeepSpeed JIT-compiles a shared-memory op at its first process-group init (~40 s); cache it in the workspace
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                           ".cache", "torch_extensions"))
 
 import pytest  # noqa: E402
 
@@ -63,6 +66,14 @@ def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
 
     task = load_task(tiny_config, plugins)
     return resolve_policy_dir(tiny_config, task, _rlctl_home / "cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory):
+    """A tiny scalar-head reward model (Llama sequence classifier, character tokenizer), random seeded weights."""
+    from rlctl.models.reward_model import build_tiny_reward_model
+
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm") / "rm", seed=0)
 
 
 # Tables tests want printed after the run (e.g. the sandbox payload -> outcome table), title -> lines.
