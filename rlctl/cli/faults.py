@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from rlctl.cli import _output
-from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
+from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry
 
 
 def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, "

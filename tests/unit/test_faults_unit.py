@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl import RewardResult, TerminalReason, Trajectory, hookimpl
+from rlctl import RewardResult, Trajectory, hookimpl
 from rlctl.contracts.errors import PluginError
 from rlctl.engine.batching import drop_unscored_groups
 from rlctl.engine.faults import FaultContext, arm, drain_recoveries, fault_site, report_recovery
