@@ -9,9 +9,14 @@ final number only.
 
     OMP_NUM_THREADS=1 python scripts/sweep_quickstart.py --seeds 1
     OMP_NUM_THREADS=1 python scripts/sweep_quickstart.py --seeds 2 --only 2,3 --home /tmp/sweep-home
+    OMP_NUM_THREADS=1 python scripts/sweep_quickstart.py --grid ppo --metrics explained_variance,value_loss
 
-The grid is GRID below (edit it to sweep other settings); ``--only`` picks rows
-by index. Runs go into the registry under ``--home`` (default $RLCTL_HOME).
+``--grid`` picks one of GRIDS below (``grpo``, the quickstart's own sweep, by
+default; one per other estimator, each row's overrides on top of the
+quickstart config); ``--only`` picks rows by index. ``--metrics`` adds, per
+run, each named training metric's mean over the first and the last 10 steps
+(e.g. a critic's value loss falling). Runs go into the registry under
+``--home`` (default $RLCTL_HOME).
 """
 
 from __future__ import annotations
@@ -24,23 +29,69 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Overrides on top of configs/quickstart.yaml; row 0 is the quickstart's own setting.
-GRID: list[list[str]] = [
-    [],
-    ["train.optim.lr=1e-5"],
-    ["train.optim.lr=4e-5"],
-    ["train.optim.lr=1e-4"],
-    ["train.steps=100"],
-    ["algo.prompts_per_step=32", "train.steps=40"],
-    ["rollout.temperature=0.7"],
-]
+# Overrides on top of configs/quickstart.yaml; row 0 of "grpo" is the quickstart's own setting, row 0 of every
+# other grid is the quickstart with only the estimator switched. Each grid sweeps lr and the estimator's own knob.
+GRIDS: dict[str, list[list[str]]] = {
+    "grpo": [
+        [],
+        ["train.optim.lr=1e-5"],
+        ["train.optim.lr=4e-5"],
+        ["train.optim.lr=1e-4"],
+        ["train.steps=100"],
+        ["algo.prompts_per_step=32", "train.steps=40"],
+        ["rollout.temperature=0.7"],
+    ],
+    "ppo": [
+        ["algo.name=ppo"],
+        ["algo.name=ppo", "algo.critic.lr=1e-4"],
+        ["algo.name=ppo", "algo.critic.lr=1e-2"],
+        ["algo.name=ppo", "algo.critic.warmup_steps=10"],
+        ["algo.name=ppo", "algo.critic.lam=1.0"],
+        ["algo.name=ppo", "algo.critic.value_clip=null"],
+        ["algo.name=ppo", "algo.critic.epochs=4"],
+        ["algo.name=ppo", "train.optim.lr=4e-5"],
+    ],
+    "rloo": [
+        ["algo.name=rloo"],
+        ["algo.name=rloo", "train.optim.lr=1e-5"],
+        ["algo.name=rloo", "train.optim.lr=4e-5"],
+        ["algo.name=rloo", "algo.group_size=4", "algo.prompts_per_step=32"],
+    ],
+    "dr_grpo": [
+        ["algo.name=dr_grpo"],
+        ["algo.name=dr_grpo", "train.optim.lr=4e-5"],
+        ["algo.name=dr_grpo", "train.optim.lr=1e-4"],
+        ["algo.name=dr_grpo", "algo.loss_agg=token-mean"],
+    ],
+    "reinforce_pp": [
+        ["algo.name=reinforce_pp"],
+        ["algo.name=reinforce_pp", "train.optim.lr=1e-5"],
+        ["algo.name=reinforce_pp", "train.optim.lr=4e-5"],
+        ["algo.name=reinforce_pp", "algo.kl.coef=0.01", "algo.kl.placement=reward"],
+    ],
+    "gspo": [
+        ["algo.name=gspo"],
+        ["algo.name=gspo", "train.optim.lr=1e-5"],
+        ["algo.name=gspo", "train.optim.lr=4e-5"],
+        ["algo.name=gspo", "algo.options.clip_low=3e-3", "algo.options.clip_high=4e-3"],
+    ],
+    "dapo": [
+        ["algo.name=dapo"],
+        ["algo.name=dapo", "train.optim.lr=1e-5"],
+        ["algo.name=dapo", "train.optim.lr=4e-5"],
+        ["algo.name=dapo", "algo.options.dynamic_sampling=false"],
+    ],
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"))
     parser.add_argument("--seeds", type=int, default=1, help="RL seeds per row (from the same warm start).")
-    parser.add_argument("--only", default="", help="Comma-separated row indices of GRID to run (default: all).")
+    parser.add_argument("--grid", default="grpo", choices=sorted(GRIDS), help="Which grid of GRIDS to sweep.")
+    parser.add_argument("--only", default="", help="Comma-separated row indices of the grid (default: all).")
+    parser.add_argument("--metrics", default="", help="Comma-separated training metrics to summarise per run "
+                        "(mean over the first and the last 10 steps).")
     parser.add_argument("--home", default=None, help="RLCTL_HOME for the runs and the warm-start cache.")
     parser.add_argument("extra", nargs="*", help="Overrides applied to every row (e.g. train.steps=30).")
     args = parser.parse_args()
@@ -56,24 +107,27 @@ def main() -> int:
     from rlctl.ops.seeds import train_seeds
     from rlctl.registry.store import Registry
 
-    rows = [int(i) for i in args.only.split(",") if i.strip()] or list(range(len(GRID)))
+    grid = GRIDS[args.grid]
+    rows = [int(i) for i in args.only.split(",") if i.strip()] or list(range(len(grid)))
+    names = [m.strip() for m in args.metrics.split(",") if m.strip()]
     plugins = load_plugins()
     home = rlctl_home()
     header = f"{'#':>2}  {'setting':<44} {'seed':>4}  {'dev start':>9}  {'after':>6}  {'gain':>6}  {'95% CI':>15}  wall"
     print(header, flush=True)
     with Registry.open() as registry:
         for index in rows:
-            overrides = ["eval.split=dev", *args.extra, *GRID[index]]
+            overrides = ["eval.split=dev", *args.extra, *grid[index]]
             config = load_config(args.config, overrides)
             started = time.perf_counter()
             result = train_seeds(config, args.seeds, registry=registry, plugins=plugins, home=home)
             wall = time.perf_counter() - started
-            setting = " ".join(GRID[index]) or "(quickstart)"
+            setting = " ".join(grid[index]) or "(quickstart)"
             for record, _ in result.evaluation.evals:
                 run = registry.get_run(record.run_id)
                 print(f"{index:>2}  {setting:<44} {run.seed:>4}  {record.baseline_pass_at_1 * 100:>8.1f}%  "
                       f"{record.candidate_pass_at_1 * 100:>5.1f}%  {record.diff * 100:>+6.1f}  "
-                      f"[{record.ci_low * 100:+5.1f}, {record.ci_high * 100:+5.1f}]  {wall:.0f}s", flush=True)
+                      f"[{record.ci_low * 100:+5.1f}, {record.ci_high * 100:+5.1f}]  {wall:.0f}s"
+                      f"{_summary(registry, record.run_id, names)}", flush=True)
             pooled = result.evaluation.pooled
             if pooled is not None:
                 print(f"{index:>2}  {setting:<44} {'all':>4}  {'':>9}  {'':>6}  {pooled.diff * 100:>+6.1f}  "
@@ -81,6 +135,21 @@ def main() -> int:
             print(f"    command: rlctl train {os.path.relpath(args.config, REPO)} {' '.join(overrides)} "
                   f"--seeds {args.seeds}", flush=True)
     return 0
+
+
+def _summary(registry, run_id: str, names: list[str]) -> str:
+    """``  name first10 -> last10`` per metric (NaN steps, e.g. an undefined explained variance, left out)."""
+    import math
+
+    out = []
+    for name in names:
+        values = [p.value for p in registry.metrics(run_id, [name]) if math.isfinite(p.value)]
+        if not values:
+            out.append(f"  {name} -")
+            continue
+        head, tail = values[:10], values[-10:]
+        out.append(f"  {name} {sum(head) / len(head):.3f} -> {sum(tail) / len(tail):.3f}")
+    return "".join(out)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from rlctl.algo.advantages import (
-    gae,
-    grpo_advantages,
-    informative_groups,
-    outcome_token_rewards,
-    overlong_penalty,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    whiten,
-)
-from rlctl import AdvantageInputs
+import rlctl.algo as F  # the tensor maths, by its public names (rlctl/algo/__init__.py lists them once)
+from rlctl import AdvantageInputs, ConfigError
 
 
 def broadcast(per_sequence: Tensor, action_mask: Tensor) -> Tensor:
@@ -63,7 +54,7 @@ class GRPO(_Outcome):
     """Group-relative: (r - group mean) / group std, the sequence's value on each of its tokens."""
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
-        adv, stats = grpo_advantages(inputs.rewards, inputs.valid, normalize_std=self.algo.normalize_std)
+        adv, stats = F.grpo_advantages(inputs.rewards, inputs.valid, normalize_std=self.algo.normalize_std)
         return broadcast(adv, inputs.action_mask), stats
 
 
@@ -73,7 +64,7 @@ class DrGRPO(_Outcome):
     loss_agg = "seq-mean-token-sum-norm"
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
-        adv, stats = grpo_advantages(inputs.rewards, inputs.valid, normalize_std=False)
+        adv, stats = F.grpo_advantages(inputs.rewards, inputs.valid, normalize_std=False)
         return broadcast(adv, inputs.action_mask), stats
 
 
@@ -81,7 +72,7 @@ class RLOO(_Outcome):
     """Leave-one-out baseline: each sample against the mean of the other G - 1."""
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
-        adv, stats = rloo_advantages(inputs.rewards, inputs.valid)
+        adv, stats = F.rloo_advantages(inputs.rewards, inputs.valid)
         return broadcast(adv, inputs.action_mask), stats
 
 
@@ -92,37 +83,52 @@ class ReinforcePP(_Outcome):
     min_group_size = 1  # the batch is the baseline
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
-        return reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
-                                       inputs.token_kl, inputs.kl_coef)
+        return F.reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
+                                         inputs.token_kl, inputs.kl_coef)
 
 
-class GSPO(GRPO):
+class _OwnClip(GRPO):
+    """An estimator whose clip range is its ``algo.options.clip_low/clip_high``, never ``algo.clip_eps``.
+
+    A ``clip_eps`` other than the default (or any ``clip_eps_high``) would be
+    silently ignored, so it is a config error naming the key that is read.
+    """
+
+    def __init__(self, algo: Any, options: Any = None) -> None:
+        super().__init__(algo, options)
+        default = type(algo).model_fields["clip_eps"].default
+        for key, value, unset in (("clip_eps", algo.clip_eps, default), ("clip_eps_high", algo.clip_eps_high, None)):
+            if value != unset:
+                raise ConfigError(
+                    f"algo.{key}={value} is not used by {algo.name}: its clip range is "
+                    f"algo.options.clip_low / clip_high (now {options.clip_low} / {options.clip_high})",
+                    f"remove algo.{key} and set algo.options.{'clip_low' if key == 'clip_eps' else 'clip_high'} "
+                    f"if you need another clip")
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        return (self.options.clip_low, self.options.clip_high)
+
+
+class GSPO(_OwnClip):
     """Group-normalised advantages with one importance ratio and clip decision per sequence."""
 
     policy_loss = "sequence"
 
-    @property
-    def clip(self) -> tuple[float, float]:
-        return (self.options.clip_low, self.options.clip_high)
 
-
-class DAPO(GRPO):
+class DAPO(_OwnClip):
     """GRPO with clip-higher, token-level loss, dynamic sampling and the soft overlong penalty."""
-
-    @property
-    def clip(self) -> tuple[float, float]:
-        return (self.options.clip_low, self.options.clip_high)
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_tokens: int) -> Tensor:
         if not self.options.overlong_buffer or not self.options.overlong_penalty:
             return rewards
         buffer = min(self.options.overlong_buffer, max_tokens)
-        return rewards + overlong_penalty(lengths, max_tokens, buffer, self.options.overlong_penalty)
+        return rewards + F.overlong_penalty(lengths, max_tokens, buffer, self.options.overlong_penalty)
 
     def keep_groups(self, rewards: Tensor, valid: Tensor) -> Tensor:
         if not self.options.dynamic_sampling:
             return super().keep_groups(rewards, valid)
-        return informative_groups(rewards, valid)
+        return F.informative_groups(rewards, valid)
 
     @property
     def max_sample_rounds(self) -> int:
@@ -142,14 +148,14 @@ class PPO(_Outcome):
         valid = inputs.valid.reshape(-1)  # [N]
         mask = (inputs.action_mask > 0) & valid.view(-1, 1)  # [N, T]
         rewards = torch.where(valid, inputs.rewards.reshape(-1).float(), torch.zeros(()))  # [N]
-        token_r = outcome_token_rewards(rewards, mask, inputs.token_kl, inputs.kl_coef)  # [N, T]
+        token_r = F.outcome_token_rewards(rewards, mask, inputs.token_kl, inputs.kl_coef)  # [N, T]
         critic = self.algo.critic
-        adv, returns = gae(token_r, inputs.values, mask, critic.gamma, critic.lam)
+        adv, returns = F.gae(token_r, inputs.values, mask, critic.gamma, critic.lam)
         return adv, returns, mask
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
         adv, returns, mask = self._gae(inputs)
-        return whiten(adv, mask), {"returns_mean": float(returns[mask].mean()) if mask.any() else 0.0}
+        return F.whiten(adv, mask), {"returns_mean": float(returns[mask].mean()) if mask.any() else 0.0}
 
     def value_targets(self, inputs: AdvantageInputs) -> Tensor:
         """GAE returns A + V (before whitening): what the critic regresses onto."""

@@ -155,8 +155,9 @@ class AlgoConfig(_Strict):
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per step; batch = B x G.")
     normalize_std: bool = Field(True, description="grpo: divide group advantages by the group std.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip epsilon (low side); gspo and dapo take theirs "
-                            "from algo.options (clip_low, clip_high).")
-    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); default = clip_eps.")
+                            "from algo.options (clip_low, clip_high) and refuse any other value here.")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); default = clip_eps "
+                                        "(gspo and dapo: algo.options.clip_high).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
         None, description="How per-token losses reduce to a scalar (sequence vs token); null = the estimator's "
         "default (token-mean; dr_grpo: seq-mean-token-sum-norm)."

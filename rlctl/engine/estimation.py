@@ -38,6 +38,8 @@ class SampledGroups:
     times: dict[str, float]  # T_r (rollout) and T_v (scoring) seconds, summed over rounds
     metrics: dict[str, float] = field(default_factory=dict)
     unscored: list[Trajectory] = field(default_factory=list)  # groups dropped because a grader failed, whole
+    seen: list[Trajectory] = field(default_factory=list)  # when ``scored`` is empty: the last round's groups
+    # (no signal, so nothing to train on; the step's reward metrics are taken from them)
 
 
 def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
@@ -45,13 +47,20 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                   reward: RewardFunction, answers: Mapping[str, str], estimator: AdvantageEstimator,
                   num_prompts: int, group_size: int, max_tokens: int,
                   truncation_penalty: float | None, fresh_reward: Callable[[], RewardFunction] | None = None,
-                  verifier_retries: int = 0, pool: "RewardPool | None" = None) -> SampledGroups:
+                  verifier_retries: int = 0, pool: "RewardPool | None" = None,
+                  token_budget: float | None = None) -> SampledGroups:
     """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
 
     Metrics: ``generated_tokens`` (all rounds), and with filtering
     ``ds_dropped_groups`` (groups without signal dropped), ``ds_refill_prompts``
     (prompts sampled beyond the first round), ``ds_sample_rounds`` and
-    ``ds_short_groups`` (groups still missing after the last round).
+    ``ds_short_groups`` (groups still missing after the last round). When no
+    round found a group with signal, ``scored`` is empty: the step has nothing
+    to learn from and the caller skips the update.
+    ``token_budget`` (the run's generated-token budget still left): no refill
+    round starts once this step's rounds have generated that many tokens, so a
+    budget-capped run overshoots by less than one round (never by several
+    rounds of refills).
     A sample whose grader timed out or crashed is re-scored with a fresh
     grader up to ``verifier_retries`` times; a group still holding one is
     dropped whole (``unscored``: never scored 0, never trained as a partial group).
@@ -73,7 +82,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     verify_stats: dict[str, float] = {}
     for round_index in range(rounds):
         need = num_prompts - len(rewards)
-        if need <= 0:
+        if need <= 0 or (round_index and token_budget is not None and generated >= token_budget):
             break
         done_rounds += 1
         if round_index:
@@ -114,8 +123,11 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
         shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
         raise RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries "
                         f"with a fresh grader ({shown}; none scored 0)", "see `rlctl runbook show verifier-timeouts`")
-    if not rewards:  # nothing informative at all: train on the last round (zero advantages, zero gradient)
-        kept, r_all, v_all = last
+    seen: list[Trajectory] = []
+    if not rewards:  # no group with signal in any round: an empty batch (the loop skips the update), never a
+        seen = last[0]  # batch of all-equal groups (zero advantages, but the optimizer's momentum would still move)
+        r_all = torch.zeros(0, group_size)
+        v_all = torch.zeros(0, group_size, dtype=torch.bool)
     else:
         r_all, v_all = torch.stack(rewards), torch.stack(valid)
     metrics = {"generated_tokens": float(generated),  # dropped groups count: they cost generation time
@@ -127,7 +139,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
         verify_stats["verifier_fail_frac"] /= done_rounds
     metrics.update(verify_stats)
     return SampledGroups(scored=kept, rewards=r_all, valid=v_all, verify_latencies=latencies,
-                         num_generated_tokens=generated, times=times, metrics=metrics, unscored=unscored)
+                         num_generated_tokens=generated, times=times, metrics=metrics, unscored=unscored, seen=seen)
 
 
 @dataclass

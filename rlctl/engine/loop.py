@@ -21,8 +21,6 @@ from rlctl.engine.metrics import step_metrics
 from rlctl.engine.session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch import Tensor
-
     from rlctl.config.models import RunConfig
 
 Observer = Callable[[int, Mapping[str, float]], None]
@@ -88,29 +86,41 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
                                 group_size=spec.group_size, max_tokens=spec.max_tokens,
                                 truncation_penalty=spec.truncation_penalty,
                                 fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
-                                pool=s.reward_pool)
+                                pool=s.reward_pool,
+                                token_budget=None if spec.max_generated_tokens is None
+                                else spec.max_generated_tokens - total_generated)
         scored = sampled.scored
-        t2 = time.perf_counter()
-        batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-        est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
-                       kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
-                       ref_logprobs=s.learner.ref_logprobs, values=s.critic.values if s.critic else None)
         total_generated += sampled.num_generated_tokens
-        advantages = est.advantages  # [N, T]
-        adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
-        batch = replace(batch, advantages=advantages.float())
         trained_version = s.learner.policy_version  # unchanged by train_step when every update is skipped
         learner_stats: dict[str, float] = {}
-        if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
-            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
-        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
-            learner_stats.update(s.learner.train_step(batch))
+        t2 = time.perf_counter()
+        if scored:
+            batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
+            est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
+                           kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0,
+                           kl_estimator=spec.kl_estimator, ref_logprobs=s.learner.ref_logprobs,
+                           values=s.critic.values if s.critic else None)
+            advantages = est.advantages  # [N, T]
+            adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
+            batch = replace(batch, advantages=advantages.float())
+            if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
+                learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+            if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
+                learner_stats.update(s.learner.train_step(batch))
+            signal = advantages.abs().sum(-1)  # [N]: nonzero on the sequences that carry signal
+        else:  # dynamic sampling found no group with signal: no update (weights, optimizer and critic stay)
+            import torch
+
+            scored = sampled.seen
+            adv_stats = {**sampled.metrics, "generated_tokens_total": total_generated}
+            signal = torch.zeros(len(scored))
         t3 = time.perf_counter()
-        s.rollout.update_weights(s.learner.export_weights())
+        if sampled.scored:
+            s.rollout.update_weights(s.learner.export_weights())
         t4 = time.perf_counter()
         metrics = step_metrics(
             scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
-            advantages=advantages.abs().sum(-1),  # [N]: nonzero on the sequences that carry signal
+            advantages=signal,
             verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
             times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
             dropped=sampled.unscored, group_size=spec.group_size,

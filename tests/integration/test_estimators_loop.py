@@ -94,6 +94,52 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(plugins, _rlctl_hom
     assert seen_refill > 0, "the tiny policy should produce some all-equal groups at G=4"
 
 
+def test_dapo_through_the_loop_trains_only_groups_with_signal_and_logs_the_refills(plugins, _rlctl_home,
+                                                                                  tiny_policy_dir):
+    """What the learner sees, not just what sample_groups returns: every group of every trained batch has
+    unequal rewards, and the refill count is in every logged step's metrics."""
+    from rlctl.engine.loop import LoopSpec, run_sync
+
+    session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6", "train.steps=4")
+    trained: list[torch.Tensor] = []
+    advantages = session.estimator.advantages
+
+    def recording(inputs):  # the estimator is handed exactly the rewards of the batch the learner trains on
+        trained.append(inputs.rewards.clone())
+        return advantages(inputs)
+
+    session.estimator.advantages = recording
+    sink = ListSink()
+    run_sync(session, LoopSpec.from_config(session.config), [sink])
+    assert sorted(sink.rows) == [0, 1, 2, 3] and trained
+    for rewards in trained:
+        assert rewards.shape[0] >= 1
+        assert bool((rewards.max(dim=1).values > rewards.min(dim=1).values).all()), rewards
+    for row in sink.rows.values():
+        for key in ("ds_refill_prompts", "ds_dropped_groups", "ds_sample_rounds", "ds_short_groups"):
+            assert key in row and math.isfinite(row[key])
+    assert sum(row["ds_refill_prompts"] for row in sink.rows.values()) > 0
+
+
+def test_dapo_step_without_any_informative_group_skips_the_update(plugins, _rlctl_home, tiny_policy_dir):
+    """Greedy sampling makes every group's G samples identical, so no group has signal in any round: the step
+    trains on nothing (no all-equal batch), and weights and optimizer stay as they were."""
+    from rlctl.engine.loop import LoopSpec, run_sync
+
+    session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=2",
+                       "rollout.temperature=0.0")
+    before = {k: v.detach().clone() for k, v in session.learner.model.state_dict().items()}
+    session.estimator.advantages = lambda inputs: pytest.fail("an all-equal batch reached the estimator")
+    sink = ListSink()
+    last = run_sync(session, LoopSpec.from_config(session.config), [sink])
+    assert session.learner.policy_version == 0
+    assert all(torch.equal(before[k], v) for k, v in session.learner.model.state_dict().items())
+    cfg = session.config.algo
+    assert last["ds_short_groups"] == cfg.prompts_per_step
+    assert last["ds_dropped_groups"] == 2 * cfg.prompts_per_step and last["ds_sample_rounds"] == 2
+    assert last["esr"] == 0.0 and last["generated_tokens_total"] > 0 and "loss" not in last
+
+
 def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_home, tiny_policy_dir):
     from rlctl.engine.loop import LoopSpec, run_sync
 
@@ -106,3 +152,20 @@ def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_h
     assert last["generated_tokens_total"] >= 100
     assert last["generated_tokens_total"] - last["generated_tokens"] < 100  # the step before was still under it
     assert session.learner.policy_version == steps[-1] + 1
+
+
+def test_token_budget_stops_dapo_refills_within_the_step(plugins, _rlctl_home, tiny_policy_dir):
+    """Refill rounds stop once the budget is spent, so DAPO overshoots an ablation's budget by less than one
+    round of tokens, not by up to max_sample_rounds rounds. Greedy sampling makes every group all-equal, so
+    without the budget all 6 rounds would run."""
+    from rlctl.engine.loop import LoopSpec, run_sync
+
+    session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6",
+                       "rollout.temperature=0.0", "train.steps=20", "train.max_generated_tokens=1")
+    sink = ListSink()
+    last = run_sync(session, LoopSpec.from_config(session.config), [sink])
+    assert sorted(sink.rows) == [0]  # the first round spends the budget: no refill round, no second step
+    assert last["ds_sample_rounds"] == 1 and last["ds_refill_prompts"] == 0
+    assert last["ds_dropped_groups"] == session.config.algo.prompts_per_step
+    cfg = session.config
+    assert last["generated_tokens_total"] <= cfg.algo.prompts_per_step * cfg.algo.group_size * cfg.rollout.max_tokens

@@ -17,8 +17,11 @@ SEVEN_B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_recipe_validates(path: Path):
-    load_config(path)
+def test_every_recipe_validates(path: Path, plugins):
+    from rlctl.engine.session import build_estimator
+
+    config = load_config(path)
+    build_estimator(config, plugins)  # the estimator's own checks too (options, group size, clip keys it ignores)
 
 
 def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):

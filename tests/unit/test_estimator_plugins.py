@@ -95,6 +95,22 @@ def test_policy_loss_resolution():
     assert (policy_loss(cfg, est).agg, policy_loss(cfg, est).tis_cap) == ("token-mean", 2.0)
 
 
+@pytest.mark.parametrize("name", ["gspo", "dapo"])
+def test_a_token_clip_is_refused_by_estimators_with_their_own_clip(name):
+    """algo.clip_eps / clip_eps_high would be ignored by gspo and dapo: a config error names the key they read."""
+    with pytest.raises(ConfigError, match=rf"algo.clip_eps=0.3 is not used by {name}.*algo.options.clip_low") as err:
+        _est(name, clip_eps=0.3)
+    assert "algo.options.clip_low" in err.value.hint
+    with pytest.raises(ConfigError, match=rf"algo.clip_eps_high=0.28 is not used by {name}") as err:
+        _est(name, clip_eps_high=0.28)
+    assert "algo.options.clip_high" in err.value.hint
+    est, cfg = _est(name, clip_eps=0.2, options={"clip_low": 0.1, "clip_high": 0.15})  # the default is no conflict
+    assert (policy_loss(cfg, est).clip_low, policy_loss(cfg, est).clip_high) == (0.1, 0.15)
+    for other in ("grpo", "ppo"):  # the token-clip estimators read it
+        est, cfg = _est(other, clip_eps=0.3, clip_eps_high=0.35)
+        assert (policy_loss(cfg, est).clip_low, policy_loss(cfg, est).clip_high) == (0.3, 0.35)
+
+
 def test_dapo_filters_and_shapes():
     est, _ = _est("dapo", options={"overlong_buffer": 4, "overlong_penalty": 0.5})
     assert est.keep_groups(REWARDS, VALID).tolist() == [True, False]
