@@ -31,7 +31,7 @@ CASES = {
     "learning rate 30x too high": (["train.optim.lr=3e-2"], "instability", "instability"),
     # async: rollout runs ahead while a learner doing 8x the work per step falls behind (staleness at its bound).
     # A small lr: at 1e-3, 4-version-old samples drift past approx KL 0.1 and the instability trigger (critical)
-    # outranks lag in about half the runs; the lag branch does not yet claim that drift as its own.
+    # outranks lag (2 of 3 runs with 8 epochs, 1 of 5 with 4); the lag branch does not claim that drift yet.
     "slow learner, async": (["mode=async", "staleness.max_staleness=4", "algo.ppo_epochs=8", "train.optim.lr=1e-4"],
                             "lag", "queue-lag"),
 }
