@@ -342,6 +342,10 @@ class StalenessConfig(_Strict):
         None, ge=1, description="Prompts per rollout-worker call; null = ceil(B / workers). Smaller = fresher weights."
     )
     take_timeout_s: float = Field(600.0, gt=0, description="Fail if the learner waits this long for one batch.")
+    queue_segment_bytes: int = Field(
+        64 << 20, ge=1, description="Size at which the trajectory log starts a new segment file; whole segments "
+        "older than the oldest kept checkpoint are deleted after each checkpoint commits."
+    )
 
 
 class EvalConfig(_Strict):

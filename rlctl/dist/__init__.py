@@ -44,7 +44,7 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
     try:
         workers = placement.workers()
         driver = AsyncDriver(session, spec, workers, directory / "queue",
-                             recover=_recover(session, store) if store is not None else None)
+                             recover=_recover(session, store) if store is not None else None, store=store)
         local_rollout = session.rollout
         session.rollout = WorkerPool(workers, driver.board)
         try:

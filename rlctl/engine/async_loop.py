@@ -87,6 +87,7 @@ class AsyncSpec:
     queue_ttl_s: float | None = None
     rollout_chunk: int | None = None  # prompts per worker call; None = ceil(B / workers)
     take_timeout_s: float = 600.0
+    queue_segment_bytes: int = 64 << 20
     max_worker_restarts: int = 3
     max_learner_restarts: int = 3
     log_every: int = 1
@@ -115,6 +116,7 @@ class AsyncSpec:
                    group_size=a.group_size, max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                    is_cap=s.is_cap, queue_capacity=s.queue_capacity, queue_ttl_s=s.queue_ttl_s,
                    rollout_chunk=s.rollout_chunk, take_timeout_s=s.take_timeout_s,
+                   queue_segment_bytes=s.queue_segment_bytes,
                    max_worker_restarts=config.cluster.max_restarts, max_learner_restarts=config.cluster.max_restarts,
                    log_every=config.train.log_every, kl_coef=a.kl.coef, kl_estimator=a.kl.estimator,
                    kl_placement=a.kl.placement, normalize_std=a.normalize_std,
@@ -210,7 +212,7 @@ class AsyncDriver:
     """Owns the producer threads and the learner loop of one overlapped run."""
 
     def __init__(self, session: Any, spec: AsyncSpec, workers: Sequence[RolloutWorker], queue_dir: Path, *,
-                 recover: Recover | None = None) -> None:
+                 recover: Recover | None = None, store: Any = None) -> None:
         if spec.mode not in MODES:
             raise RoleError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
         if spec.capacity < spec.prompts_per_step:
@@ -221,7 +223,10 @@ class AsyncDriver:
         self.recover = recover
         queue_dir.mkdir(parents=True, exist_ok=True)
         self.queue = TrajectoryQueue(queue_dir, capacity=spec.capacity, batch_groups=spec.prompts_per_step,
-                                     max_ahead=spec.max_ahead, ttl_s=spec.queue_ttl_s)
+                                     max_ahead=spec.max_ahead, ttl_s=spec.queue_ttl_s,
+                                     segment_bytes=spec.queue_segment_bytes)
+        self.store = store  # the checkpoint store: compaction keeps the log of every committed checkpoint
+        self._watermarks: dict[int, int] = {}  # steps done -> queue watermark then (what a checkpoint there holds)
         self.ledger = Ledger(queue_dir / "ledger.jsonl")
         self.board = WeightBoard()
         self.counters = _Counters()
@@ -372,12 +377,14 @@ class AsyncDriver:
                 if step % spec.log_every == 0 or step == spec.steps - 1:
                     for sink in sinks:
                         sink.write(step, metrics)
+                self._watermarks[step + 1] = self.queue.cursor()["watermark"]
                 if checkpoint is not None:
                     try:
                         checkpoint.after_step(step + 1, metrics)
                     except LearnerLost as err:
                         step = self._recover_learner(err)
                         continue
+                    self._compact()
                 if observer is not None:
                     observer(step, metrics)
                 step += 1
@@ -388,6 +395,22 @@ class AsyncDriver:
             self.ledger.write({"end": step, "cursor": self.queue.cursor(), "in_flight": in_flight})
             self.ledger.close()
         return metrics
+
+    def _compact(self) -> None:
+        """Delete log segments wholly below the oldest committed checkpoint's cursor (none from before this process).
+
+        A checkpoint saved before this process started (a resume) has an
+        unknown watermark: nothing is compacted until retention removes it.
+        """
+        if self.store is None:
+            return
+        committed = [manifest.step for _, manifest in self.store.list_committed()]
+        if not committed or any(s not in self._watermarks for s in committed):
+            return
+        floor = min(self._watermarks[s] for s in committed)
+        self.queue.compact(floor)
+        for s in [s for s in self._watermarks if s < min(committed)]:
+            del self._watermarks[s]
 
     def _recover_learner(self, err: BaseException) -> int:
         while True:
@@ -558,6 +581,7 @@ def audit(queue_dir: Path) -> Audit:
     queue = TrajectoryQueue(queue_dir)
     try:
         logged = {g.group_id: g for g in queue._iter_log()}
+        compacted = queue.known_keys() - {g.key for g in logged.values()}
     finally:
         queue.close()
     done = set(trained) | dropped
@@ -569,7 +593,7 @@ def audit(queue_dir: Path) -> Audit:
             if gid not in done and (group.seq < cursor["watermark"] or group.seq in consumed):
                 lost.append(gid)  # the cursor says consumed, the history never trained or dropped it
         top = max((logged[g].key for g in done if g in logged), default=-1)
-        keys = {g.key for g in logged.values()} | set(final.get("in_flight", ()))
+        keys = {g.key for g in logged.values()} | compacted | set(final.get("in_flight", ()))
         lost += [f"d{k}" for k in range(top + 1) if k not in keys]  # a drawn prompt never acknowledged
     staleness = [dv for k in history for dv in history[k].get("staleness", ())]
     return Audit(steps=len(history), trained=len(trained), double_counted=len(trained) - len(set(trained)),

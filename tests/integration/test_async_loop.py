@@ -132,13 +132,21 @@ def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny
         run(session, plugins, tmp_path)
 
 
-def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
-    """Crash after step 4 of 6 with the newest checkpoint at 4 completed steps: the resumed run trains every group exactly once."""
+@pytest.mark.parametrize("compacting", [False, True], ids=["plain", "compacted"])
+def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, tmp_path, tiny_policy_dir,
+                                                          compacting):
+    """Crash after step 4 of 6 with the newest checkpoint at 4 completed steps: the resumed run trains every group exactly once.
+
+    ``compacted``: one log segment per put, so every committed checkpoint lets
+    the driver delete the segments below the oldest kept checkpoint's cursor
+    before the crash; the resume must still neither regenerate nor retrain them.
+    """
     from rlctl.engine.async_loop import audit
     from rlctl.engine.checkpoint import DiskCheckpointStore
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, restore
 
-    overrides = ("mode=async", "train.steps=6", "staleness.max_staleness=2", "staleness.queue_capacity=12")
+    overrides = ("mode=async", "train.steps=6", "staleness.max_staleness=2", "staleness.queue_capacity=12",
+                 *(["staleness.queue_segment_bytes=1"] if compacting else []))
     session = session_for(plugins, _rlctl_home, *overrides)
     store = DiskCheckpointStore(tmp_path / "checkpoints", keep_last=3, async_save=False)
     prov = Provenance(run_id="r", config_hash="h", code_version="c")
@@ -153,6 +161,10 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
 
     with pytest.raises(Crash):
         run(session, plugins, tmp_path, observer=observer, checkpoint=ckpt, store=store)
+    if compacting:  # the checkpoints at 2 and 4 are kept: segments below the one at 2 are gone
+        assert (tmp_path / "queue" / "compacted.json").is_file()
+        first = min(int(p.stem.split("-")[1]) for p in (tmp_path / "queue").glob("seg-*.log"))
+        assert first > 0
     path, state, _ = store.load_latest()
     assert state.step == 4 and state.queue is not None and state.queue["watermark"] >= 0
     assert json.loads((Path(path) / "state.json").read_text())["queue"] == state.queue
