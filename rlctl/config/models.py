@@ -342,6 +342,11 @@ class StalenessConfig(_Strict):
         None, ge=1, description="Prompts per rollout-worker call; null = ceil(B / workers). Smaller = fresher weights."
     )
     take_timeout_s: float = Field(600.0, gt=0, description="Fail if the learner waits this long for one batch.")
+    partial_fraction: float = Field(
+        1.0, gt=0, le=1, description="Partial rollout: a step proceeds once this fraction of its B groups is "
+        "ready; the unfinished groups carry over to a later step with their policy versions recorded (the "
+        "max_staleness bound still applies and is counted). 1 = wait for the whole batch."
+    )
     queue_segment_bytes: int = Field(
         64 << 20, ge=1, description="Size at which the trajectory log starts a new segment file; whole segments "
         "older than the oldest kept checkpoint are deleted after each checkpoint commits."
@@ -375,3 +380,11 @@ class RunConfig(_Strict):
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _partial_needs_overlap(self) -> "RunConfig":
+        if self.staleness.partial_fraction < 1 and self.mode == "sync":
+            raise ValueError("staleness.partial_fraction < 1 needs mode one_step_off or async: in mode=sync a "
+                             "group carried over to the next step is always one version stale and would be dropped; "
+                             "set mode=one_step_off (or async), or staleness.partial_fraction=1")
+        return self

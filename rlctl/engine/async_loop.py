@@ -14,7 +14,10 @@ sync 0 (batch s is generated with version s, so Δv = 0), one_step_off 1
 ``max_staleness`` with per-group weight pickup; the learner takes batch s in
 draw order in the first two, oldest-first among whatever is ready in async.
 Δv beyond ``max_staleness`` is dropped or reweighted (truncated importance
-sampling) and always counted.
+sampling) and always counted. Partial rollout (``partial_fraction`` < 1): a
+step proceeds once that share of its B groups is ready; the groups still in
+flight carry over to a later step (oldest first), each with the policy version
+it was generated under, so the Δv bound applies to them as to any other.
 
 Failures: a worker whose ``generate`` raises ``WorkerLost`` has its in-flight
 prompts released and claimed again (by any worker); it is restarted and loads
@@ -31,6 +34,7 @@ Ray actors) or run bookkeeping (rlctl.ops.train).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -88,6 +92,7 @@ class AsyncSpec:
     rollout_chunk: int | None = None  # prompts per worker call; None = ceil(B / workers)
     take_timeout_s: float = 600.0
     queue_segment_bytes: int = 64 << 20
+    partial_fraction: float = 1.0  # a step proceeds once this share of its B groups is ready (1 = all)
     max_worker_restarts: int = 3
     max_learner_restarts: int = 3
     log_every: int = 1
@@ -96,6 +101,8 @@ class AsyncSpec:
     kl_placement: str = "loss"
     normalize_std: bool = True
     truncation_penalty: float | None = 0.0
+    max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
+    critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
 
     @property
     def max_ahead(self) -> int:
@@ -104,6 +111,13 @@ class AsyncSpec:
     @property
     def staleness_bound(self) -> int:
         return self.max_ahead
+
+    @property
+    def min_groups(self) -> int | None:
+        """Partial rollout: the fewest groups a step proceeds with; None = the whole batch."""
+        if self.partial_fraction >= 1:
+            return None
+        return max(1, math.ceil(self.partial_fraction * self.prompts_per_step))
 
     @property
     def capacity(self) -> int:
@@ -116,11 +130,12 @@ class AsyncSpec:
                    group_size=a.group_size, max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                    is_cap=s.is_cap, queue_capacity=s.queue_capacity, queue_ttl_s=s.queue_ttl_s,
                    rollout_chunk=s.rollout_chunk, take_timeout_s=s.take_timeout_s,
-                   queue_segment_bytes=s.queue_segment_bytes,
+                   queue_segment_bytes=s.queue_segment_bytes, partial_fraction=s.partial_fraction,
                    max_worker_restarts=config.cluster.max_restarts, max_learner_restarts=config.cluster.max_restarts,
                    log_every=config.train.log_every, kl_coef=a.kl.coef, kl_estimator=a.kl.estimator,
                    kl_placement=a.kl.placement, normalize_std=a.normalize_std,
-                   truncation_penalty=config.rollout.truncation_penalty)
+                   truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
+                   critic_warmup_steps=a.critic.warmup_steps)
 
 
 class WeightBoard:
@@ -451,14 +466,16 @@ class AsyncDriver:
             raise RoleError(f"step {step} has no trajectory group left to train on (dropped: {taken.drops})",
                             "raise staleness.queue_ttl_s or staleness.max_staleness")
         t1 = time.perf_counter()
-        scored = [t for g in taken.groups for t in g.trajectories]
-        rewards, valid = group_rewards(scored, spec.group_size)  # [B', G]
+        groups, rewards, valid, no_signal = self._signal(taken.groups)  # rewards, valid: [B', G]
+        kept_ids = {g.group_id for g in groups}
+        staleness = [dv for g, dv in zip(taken.groups, taken.staleness) if g.group_id in kept_ids]
+        scored = [t for g in groups for t in g.trajectories]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
         prox = s.learner.logprobs(batch).float()  # [N, T]: the learner's policy before this update
         dlag = lag_divergence(prox, batch.behavior_logprobs, batch.action_mask).tolist()  # [N]
         weight = torch.ones_like(batch.action_mask)  # [N, T]
         if taken.weighted:
-            rows = [i for i, g in enumerate(taken.groups) if g.group_id in set(taken.weighted)
+            rows = [i for i, g in enumerate(groups) if g.group_id in set(taken.weighted)
                     for i in range(i * spec.group_size, (i + 1) * spec.group_size)]
             w = truncated_is_weights(prox, batch.behavior_logprobs, batch.action_mask, spec.is_cap)
             weight[rows] = w[rows]
@@ -467,16 +484,21 @@ class AsyncDriver:
             batch = replace(batch, behavior_logprobs=behavior)
         est = estimate(estimator=s.estimator, batch=batch, rewards=rewards, valid=valid,
                        kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
-                       ref_logprobs=s.learner.ref_logprobs, values=None)
+                       ref_logprobs=s.learner.ref_logprobs, values=s.critic.values if s.critic is not None else None)
         advantages, adv_stats = est.advantages.float() * weight, est.stats  # [N, T]
         batch = replace(batch, advantages=advantages)
-        learner_stats = s.learner.train_step(batch)
+        learner_stats: dict[str, float] = {}
+        if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
+            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
+            learner_stats.update(s.learner.train_step(batch))
         t2 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
         self.queue.set_version(s.learner.policy_version)
         t3 = time.perf_counter()
-        self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in taken.groups],
-                           "dropped": taken.dropped_ids, "weighted": taken.weighted, "staleness": taken.staleness})
+        self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],
+                           "dropped": taken.dropped_ids + no_signal, "weighted": taken.weighted,
+                           "staleness": staleness})
         with self.counters.lock:
             generated = self.counters.generated_tokens - tokens0
             rollout_wait = (self.counters.rollout_wait_s - wait0) / max(1, len(self.workers))
@@ -488,7 +510,7 @@ class AsyncDriver:
                                verify_latencies=[], learner_version=s.learner.policy_version,
                                times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2},
                                trained_version=version)
-        metrics.update(overlap_metrics(staleness=[dv for dv in taken.staleness for _ in range(spec.group_size)],
+        metrics.update(overlap_metrics(staleness=[dv for dv in staleness for _ in range(spec.group_size)],
                                        dlag=dlag, latencies=latencies, bound=spec.staleness_bound))
         stats = self.queue.stats()
         metrics.update({
@@ -496,13 +518,37 @@ class AsyncDriver:
             "effective_tokens_per_s": (generated / wall if wall > 0 else 0.0) * metrics["esr"],
             "learner_wait_s": taken.waited_s, "rollout_wait_s": rollout_wait,
             "queue_depth": float(stats.depth), "queue_age_s": float(stats.oldest_age_s),
-            "queue_duplicates": float(stats.duplicates), "groups_trained": float(len(taken.groups)),
+            "queue_duplicates": float(stats.duplicates), "groups_trained": float(len(groups)),
+            "ds_dropped_groups": float(len(no_signal)),
             "reweighted_groups": float(len(taken.weighted)), "rollout_worker_failures": float(failures),
             "requeued_prompts": float(requeued), "learner_restarts": float(self.learner_restarts),
+            # partial rollout: groups of this step's batch left in flight for a later step (0 when waiting for all)
+            "partial_carried_groups": float(max(0, spec.prompts_per_step - len(taken.groups)
+                                                - len(taken.dropped_ids))),
         })
         for reason in DROP_REASONS:
             metrics[f"queue_drops_{reason}"] = float(stats.drops[reason])
         return metrics
+
+    def _signal(self, taken: Sequence[Group]) -> tuple[list[Group], Any, Any, list[str]]:
+        """Shaped rewards of the taken groups, less those the estimator filters out (DAPO's zero-signal groups).
+
+        When no group carries signal, all are trained (zero advantages, zero
+        gradient), as in the synchronous loop. Filtered ids go to the ledger as dropped.
+        """
+        import torch
+
+        s, g = self.session, self.spec.group_size
+        scored = [t for group in taken for t in group.trajectories]
+        rewards, valid = group_rewards(scored, g)  # [B', G]
+        lengths = torch.tensor([t.num_response_tokens for t in scored]).view_as(rewards)
+        rewards = s.estimator.shape_rewards(rewards, lengths, self.spec.max_tokens)
+        keep = s.estimator.keep_groups(rewards, valid)  # [B'] bool
+        if bool(keep.all()) or not bool(keep.any()):
+            return list(taken), rewards, valid, []
+        kept = [i for i in range(len(taken)) if bool(keep[i])]
+        return ([taken[i] for i in kept], rewards[kept], valid[kept],
+                [taken[i].group_id for i in range(len(taken)) if not bool(keep[i])])
 
     def _take(self, version: int, key_below: int | None) -> Any:
         deadline = time.monotonic() + self.spec.take_timeout_s
@@ -512,7 +558,7 @@ class AsyncDriver:
             try:
                 return self.queue.take(self.spec.prompts_per_step, version, max_staleness=self.spec.staleness_bound,
                                        stale_policy=self.spec.stale_policy, key_below=key_below,
-                                       timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                                       min_groups=self.spec.min_groups, timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except QueueError as err:
                 if self._error is not None:  # a producer failed and closed the queue: report its error
                     raise self._error from None

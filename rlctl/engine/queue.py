@@ -486,7 +486,8 @@ class TrajectoryQueue:
     # -- consumer side -------------------------------------------------------------------
 
     def take(self, n: int, current_version: int, *, max_staleness: int | None = None,
-             stale_policy: str = "drop", key_below: int | None = None, timeout: float | None = None) -> TakeResult:
+             stale_policy: str = "drop", key_below: int | None = None, min_groups: int | None = None,
+             timeout: float | None = None) -> TakeResult:
         """Take ``n`` groups for the learner at ``current_version``, oldest draw key first.
 
         A group older than ``ttl_s`` is dropped (reason ``ttl``). A group with
@@ -496,7 +497,9 @@ class TrajectoryQueue:
         (generated before a learner restart rolled the version back) is dropped
         (``orphaned``). With ``key_below`` only groups of smaller draw key are
         eligible and the call returns early (with fewer than ``n``) once every
-        such key is resolved. Blocks until then or until ``timeout``.
+        such key is resolved. With ``min_groups`` (partial rollout) it also
+        returns once at least that many groups are taken and no other eligible
+        one is ready yet. Blocks until then or until ``timeout``.
         """
         if stale_policy not in ("drop", "reweight"):
             raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
@@ -534,6 +537,8 @@ class TrajectoryQueue:
                         dropped.append(group.group_id)
                 if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below)):
                     break
+                if min_groups is not None and len(taken) >= min_groups:
+                    break  # partial rollout: the rest of the batch carries over
                 self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
             self._cond.notify_all()
         return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,

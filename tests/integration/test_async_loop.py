@@ -120,6 +120,89 @@ def test_lost_worker_prompts_are_regenerated_with_current_weights(plugins, _rlct
     assert report.lost == () and report.double_counted == 0 and report.trained == 16
 
 
+class StragglerWorker:
+    """A real local worker whose odd calls answer late (the far side of a slow rollout server)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s, self.calls, self.name = inner, delay_s, 0, inner.name
+
+    def generate(self, requests):
+        import time
+
+        self.calls += 1
+        out = self.inner.generate(requests)
+        if self.calls % 2:
+            time.sleep(self.delay_s)
+        return out
+
+    def load_weights(self, update):
+        self.inner.load_weights(update)
+
+    def restart(self):
+        self.inner.restart()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_partial_rollout_carries_unfinished_groups_over(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
+    """partial_fraction=0.5: steps proceed without the straggler's groups, which a later step trains (within Δv)."""
+    from rlctl.dist import local
+    from rlctl.engine.async_loop import audit
+
+    original = local.LocalPlacement.workers
+    monkeypatch.setattr(local.LocalPlacement, "workers",
+                        lambda self: [StragglerWorker(w, 0.8 if i == 0 else 0.0) for i, w in enumerate(original(self))])
+    session = session_for(plugins, _rlctl_home, "mode=one_step_off", "train.steps=5", "staleness.max_staleness=1",
+                          "staleness.partial_fraction=0.5", "staleness.rollout_chunk=1", "staleness.queue_capacity=8")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2, 3, 4]
+    assert all(m["groups_trained"] >= 2 for _, m in rows)  # never below the fraction (B = 4)
+    assert any(m["partial_carried_groups"] > 0 for _, m in rows)  # some step did not wait for the straggler
+    assert all(m["staleness_violations"] == 0 for _, m in rows)  # carried groups still obey the bound
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.max_staleness <= 1
+    ledger = [json.loads(line) for line in (tmp_path / "queue" / "ledger.jsonl").read_text().splitlines()]
+    trained = {gid: step["step"] for step in ledger if "step" in step for gid in step["taken"]}
+    assert any(step > int(gid[1:]) // 4 for gid, step in trained.items())  # a group trained after its own batch's step
+
+
+def test_ppo_with_a_critic_trains_overlapped(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=ppo", "mode=async", "train.steps=3")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2] and all("value_loss" in m for _, m in rows)
+    assert session.learner.policy_version == 3
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 12
+
+
+def test_dapo_filters_groups_without_signal_and_refuses_refills(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    from rlctl.contracts.errors import ConfigError
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3")
+    with pytest.raises(ConfigError, match="refills filtered groups") as err:
+        run(session, plugins, tmp_path / "refill")
+    assert "max_sample_rounds=1" in err.value.hint
+    session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3",
+                          "algo.options={max_sample_rounds: 1}")
+    rows = run(session, plugins, tmp_path / "filter")
+    assert all(m["groups_trained"] + m["ds_dropped_groups"] == 4 for _, m in rows)
+    report = audit(tmp_path / "filter" / "queue")  # a filtered group is dropped in the ledger, never lost
+    assert report.lost == () and report.double_counted == 0
+    assert report.trained + report.dropped == 12
+
+
+def test_config_refuses_partial_rollout_in_sync_mode():
+    from rlctl.config.load import load_config
+    from rlctl.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="partial_fraction"):
+        load_config(None, ["mode=sync", "staleness.partial_fraction=0.5"])
+
+
 def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
     from rlctl.contracts.errors import RoleError
     from rlctl.dist import local

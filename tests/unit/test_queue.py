@@ -174,6 +174,20 @@ def test_compaction_keeps_the_compacted_keys_known_and_refuses_an_older_cursor(t
     assert TrajectoryQueue(tmp_path).known_keys() == {0, 1, 2, 3, 4}
 
 
+def test_partial_take_returns_once_min_groups_are_ready(tmp_path):
+    q = TrajectoryQueue(tmp_path, capacity=8, batch_groups=4, max_ahead=1)
+    for key in range(4):
+        q.reserve(key)
+    q.put_many([make_group(0), make_group(2)])  # keys 1 and 3 are still being generated
+    with pytest.raises(QueueTimeout):  # the whole batch is not ready
+        q.take(4, 0, key_below=4, timeout=0.05)
+    r = q.take(4, 0, key_below=4, min_groups=2, timeout=0.05)
+    assert keys_of(r) == [0, 2]
+    q.put_many([make_group(1), make_group(3), make_group(4)])
+    r = q.take(4, 1, key_below=8, min_groups=2, max_staleness=1, timeout=0.05)
+    assert keys_of(r) == [1, 3, 4] and r.staleness == [1, 1, 1]  # carried over first, versions kept
+
+
 def test_stale_groups_dropped_or_reweighted_and_counted(tmp_path):
     q = TrajectoryQueue(tmp_path)
     q.put_many([make_group(0, version=1), make_group(1, version=3), make_group(2, version=4), make_group(3, 5)])
