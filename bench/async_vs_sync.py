@@ -23,8 +23,9 @@ median over its steps 1..;
 step 0 includes thread / actor start-up) and its ratio to sync (> 1 = faster), the median run wall time of
 the loop, trained and effective response tokens per second of step time, hidden pass@1 (greedy,
 ``--hidden`` prompts, first repeat) with the paired-bootstrap 95% CI of the difference to sync, measured
-mean Δv, and the staleness simulator's prediction (rlctl.ops.staleness, fed with the sync run's own
-T_r / T_l / T_s) with how far it misses. Ratios are to the sync row of the same workload and shape,
+mean Δv, and the staleness simulator's predictions (rlctl.ops.staleness, fed with the sync run's own
+T_r / T_l / T_s, processor sharing over the placement's cores): speedup over sync and mean Δv, with how far
+the Δv prediction misses. Ratios are to the sync row of the same workload and shape,
 measured in the same invocation.
 """
 
@@ -196,7 +197,7 @@ def summarize(runs: list[dict], prompts: int, group: int) -> dict:
 
 def print_table(args: argparse.Namespace, workload: str, shape: str, results: list[dict]) -> None:
     from rlctl.engine.eval import paired_bootstrap
-    from rlctl.ops.staleness import predict_for_run
+    from rlctl.ops.staleness import contention_cores, predict_for_run
 
     sync = next(r for r in results if r["name"] == "sync")
     smoke = {k: statistics.median(m[k] for m in sync["rows"][1:] or sync["rows"])
@@ -205,8 +206,9 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     print(f"\n## {workload}, model {shape}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
           f"placement {args.placement}, {args.workers} workers, chunk {args.chunk or 'B/workers'}{pin}, "
           f"median of {args.repeats} run(s)")
-    header = ("mode", "s/step", "x sync", "wall s", "trained tok/s", "eff tok/s", "hidden pass@1",
+    header = ("mode", "s/step", "x sync", "pred x sync", "wall s", "trained tok/s", "eff tok/s", "hidden pass@1",
               "diff vs sync [95% CI]", "dv mean", "pred dv mean", "pred miss", "drops")
+    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.steps_per_s
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in results:
@@ -216,15 +218,19 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
             diff = f"{cmp.diff:+.3f} [{cmp.ci_low:+.3f}, {cmp.ci_high:+.3f}]"
         else:
             acc = diff = "-"
-        pred, miss = 0.0, "-"
+        pred, miss, speedup = 0.0, "-", 1.0
         if r["name"] != "sync":
-            pred = predict_for_run(r["config"], smoke).prediction.staleness_mean
+            prediction = predict_for_run(r["config"], smoke).prediction
+            pred, speedup = prediction.staleness_mean, prediction.steps_per_s / base
             miss = f"{pred - r['dv']:+.2f} ({abs(pred - r['dv']) / r['dv']:.0%})" if r["dv"] > 0 else f"{pred:+.2f}"
-        print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {r['wall']:.1f} | "
+        print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {speedup:.2f} | "
+              f"{r['wall']:.1f} | "
               f"{r['tps']:.0f} | {r['eff_tps']:.0f} | {acc} | {diff} | {r['dv']:.2f} | {pred:.2f} | {miss} | "
               f"{r['drops']:.0f} |")
-    print(f"(x sync = sync s/step / mode s/step: > 1 is faster. The simulator used sync's median T_r "
-          f"{smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s; pred miss = predicted - measured)")
+    cores = contention_cores(results[-1]["config"])
+    print(f"(x sync = sync s/step / mode s/step: > 1 is faster. The simulator (rlctl.ops.staleness) used sync's "
+          f"median T_r {smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s and {cores:g} shared "
+          f"core(s) for this placement; pred miss = predicted - measured mean dv)")
 
 
 def main(argv: list[str] | None = None) -> None:
