@@ -314,6 +314,8 @@ class ClusterConfig(_Strict):
     rollout_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested per rollout worker actor.")
     learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor.")
     learner_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested by the learner actor.")
+    reward_num_cpus: float = Field(0.0, ge=0, description="ray only: CPUs requested per reward actor "
+                                   "(reward.workers > 1); 0 = scheduled beside the reserved bundles.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="ray only: placement-group strategy for the learner and worker bundles."
     )

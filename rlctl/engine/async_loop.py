@@ -33,6 +33,7 @@ Ray actors) or run bookkeeping (rlctl.ops.train).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -246,6 +247,7 @@ class AsyncDriver:
         self.board = WeightBoard()
         self.counters = _Counters()
         self._claim_lock = threading.Lock()
+        self._score_lock = threading.Lock()
         self._requeue: deque[int] = deque()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -351,7 +353,10 @@ class AsyncDriver:
         if len(trajectories) != g * len(keys):
             raise RoleError(f"a rollout worker returned {len(trajectories)} trajectories for {len(keys)} prompts "
                             f"x {g} samples", "the rollout backend must return group_size samples per request")
-        scored, _ = score_all(trajectories, self._answers, self.session.reward, self.spec.truncation_penalty)
+        pool = self.session.reward_pool  # reward.workers > 1: processes (local) or actors (Ray)
+        with self._score_lock if pool is not None else contextlib.nullcontext():  # one producer drives the pool
+            scored, _ = score_all(trajectories, self._answers, self.session.reward, self.spec.truncation_penalty,
+                                  pool=pool)
         groups = []
         now = time.time()
         for i, key in enumerate(keys):
@@ -558,7 +563,8 @@ class AsyncDriver:
             try:
                 return self.queue.take(self.spec.prompts_per_step, version, max_staleness=self.spec.staleness_bound,
                                        stale_policy=self.spec.stale_policy, key_below=key_below,
-                                       min_groups=self.spec.min_groups, timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                                       min_groups=self.spec.min_groups,
+                                       timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except QueueError as err:
                 if self._error is not None:  # a producer failed and closed the queue: report its error
                     raise self._error from None
