@@ -328,7 +328,11 @@ class AsyncDriver:
                                         "see the worker's log; raise cluster.max_restarts if the failures are "
                                         "transient") from None
                     loaded = -1
-                    worker.restart()
+                    time.sleep(min(5.0, 0.2 * failures))  # give a dying engine (server, actor) time to come back
+                    try:
+                        worker.restart()
+                    except WorkerLost:
+                        pass  # not back yet: the next call fails again and counts as one more failure
                     continue
                 except BaseException:
                     self._give_back(keys)
