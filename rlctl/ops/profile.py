@@ -162,8 +162,10 @@ def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
     if not rows:
         raise RegistryError(f"run {run_id} has no per-step stage times (T_r, T_v, T_l, T_s)",
                             "profile a run trained by this version of rlctl, or profile its CONFIG")
+    # the overlapped driver's tokens/s are per step (its T_r is a wait), the synchronous loop's per T_r
+    per = {step: sum(m[k] for k in STAGES) if "learner_wait_s" in m else m["T_r"] for step, m in rows}
     return [StepTimes(step=step, stages={k: m[k] for k in STAGES}, wall_s=m.get(WALL_METRIC),
-                      generated_tokens=m.get("generated_tokens_per_s", 0.0) * m["T_r"],
+                      generated_tokens=m.get("generated_tokens_per_s", 0.0) * per[step],
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
                       effective_tokens=m.get("effective_tokens_per_s", 0.0) * m["T_r"],
                       overlap={k: m[k] for k in OVERLAP_METRICS if k in m}) for step, m in rows]
