@@ -167,7 +167,7 @@ def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
     return [StepTimes(step=step, stages={k: m[k] for k in STAGES}, wall_s=m.get(WALL_METRIC),
                       generated_tokens=m.get("generated_tokens_per_s", 0.0) * per[step],
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
-                      effective_tokens=m.get("effective_tokens_per_s", 0.0) * m["T_r"],
+                      effective_tokens=m.get("effective_tokens_per_s", 0.0) * per[step],
                       overlap={k: m[k] for k in OVERLAP_METRICS if k in m}) for step, m in rows]
 
 
