@@ -401,8 +401,8 @@ class AsyncDriver:
                 if step % spec.log_every == 0 or step == spec.steps - 1:
                     for sink in sinks:
                         sink.write(step, metrics)
-                self._watermarks[step + 1] = self.queue.cursor()["watermark"]
                 if checkpoint is not None:
+                    self._watermarks[step + 1] = self.queue.cursor()["watermark"]  # what a checkpoint here holds
                     try:
                         checkpoint.after_step(step + 1, metrics)
                     except LearnerLost as err:
