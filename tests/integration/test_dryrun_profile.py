@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,7 @@ def home(tmp_path: Path, _rlctl_home: Path) -> Path:
 
 
 def test_dryrun_quickstart_ledger_matches_measured_peak_within_25_percent(home):
-    started = time.perf_counter()
     out = json.loads(rlctl("dryrun", "configs/quickstart.yaml", "--json", home=home, check=True).stdout)
-    assert time.perf_counter() - started < 60
     assert all(c["ok"] for c in out["checks"])
     assert out["fits"] == {"colocate": True}
     smoke = out["smoke"]

@@ -246,14 +246,15 @@ def test_restarted_server_is_resynced_before_it_serves(plugins, _rlctl_home, tin
 def test_weight_sync_waits_for_a_server_outage_and_fails_clearly_past_the_bound(plugins, _rlctl_home,
                                                                                  tiny_policy_dir, tmp_path):
     served = Served(tiny_policy_dir, tmp_path)
+    box: dict[str, Served] = {}
     try:
-        session = _session(plugins, _rlctl_home, served.url, tmp_path, ["train.optim.lr=1e-3"], retries=6,
+        # Enough tries to outlast a restart on a loaded machine (the bound itself is checked below).
+        session = _session(plugins, _rlctl_home, served.url, tmp_path, ["train.optim.lr=1e-3"], retries=8,
                            retry_backoff_s=0.5)
         _, batch = _batch(session, advantages=[1.0, -1.0] * 8)
         session.learner.train_step(batch)
         port = served.port
         served.stop()
-        box: dict[str, Served] = {}
         restarter = threading.Timer(1.0, lambda: box.setdefault("s", Served(tiny_policy_dir, tmp_path, port=port)))
         restarter.start()
         started = time.monotonic()
@@ -274,6 +275,9 @@ def test_weight_sync_waits_for_a_server_outage_and_fails_clearly_past_the_bound(
         session.rollout.close()
     finally:
         served.stop()
+        restarter.join() if "restarter" in locals() else None
+        if "s" in box:  # the restarted server, also when the test failed before taking it over
+            box["s"].stop()
 
 
 @pytest.mark.slow
