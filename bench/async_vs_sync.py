@@ -2,7 +2,7 @@
 
 Run:  OMP_NUM_THREADS=1 python bench/async_vs_sync.py [--steps 12] [--workload quickstart,longtail]
       [--shapes 128x4,256x6] [--placement local|ray] [--pin] [--modes sync,one_step_off,async1,async2]
-      [--workers 2] [--chunk N] [--repeats 3] [--hidden 200]
+      [--workers 2] [--chunk N] [--repeats 3] [--hidden 200] [--set staleness.partial_fraction=0.75]
 
 Setup: the quickstart config (built-in model of each ``--shapes`` entry, hidden size x layers, warm-started
 for ``--warm-start-steps`` SFT steps and cached under RLCTL_HOME), B prompts x G samples per step, ``--steps``
@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--placement", default="local", choices=("local", "ray"))
     p.add_argument("--pin", action="store_true", help="learner side on CPU 0, rollout side on CPU 1")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the overlapped modes, e.g. staleness.partial_fraction=0.75")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode; the table shows medians")
     p.add_argument("--tail-alpha", type=float, default=1.2)
     p.add_argument("--tail-min", type=int, default=2)
@@ -89,6 +91,8 @@ def config_for(args: argparse.Namespace, workload: str, shape: str, mode: str, b
     ]
     if args.chunk:
         overrides.append(f"staleness.rollout_chunk={args.chunk}")
+    if mode != "sync":
+        overrides += args.set
     if args.placement == "ray":  # one CPU for the learner, the other shared by the rollout actors
         overrides += ["cluster.num_cpus=2", "cluster.learner_num_cpus=1",
                       f"cluster.rollout_num_cpus={1 / args.workers:g}"]
@@ -203,6 +207,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     smoke = {k: statistics.median(m[k] for m in sync["rows"][1:] or sync["rows"])
              for k in ("T_r", "T_l", "T_s", "response_length_mean", "response_length_max")}
     pin = ", pinned: learner CPU 0 / rollout CPU 1" if args.pin else ", unpinned"
+    pin += "".join(f", {kv}" for kv in args.set)
     print(f"\n## {workload}, model {shape}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
           f"placement {args.placement}, {args.workers} workers, chunk {args.chunk or 'B/workers'}{pin}, "
           f"median of {args.repeats} run(s)")
