@@ -235,7 +235,8 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     cores = contention_cores(results[-1]["config"])
     print(f"(x sync = sync s/step / mode s/step: > 1 is faster. The simulator (rlctl.ops.staleness) used sync's "
           f"median T_r {smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s and {cores:g} shared "
-          f"core(s) for this placement; pred miss = predicted - measured mean dv)")
+          f"core(s) for this placement; pred miss = predicted - measured mean dv; with partial rollout a step "
+          f"trains fewer groups, so compare trained tok/s)")
 
 
 def main(argv: list[str] | None = None) -> None:
