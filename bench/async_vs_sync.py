@@ -213,7 +213,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
           f"median of {args.repeats} run(s)")
     header = ("mode", "s/step", "x sync", "pred x sync", "wall s", "trained tok/s", "eff tok/s", "hidden pass@1",
               "diff vs sync [95% CI]", "dv mean", "pred dv mean", "pred miss", "drops")
-    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.steps_per_s
+    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.groups_per_s
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in results:
@@ -226,7 +226,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
         pred, miss, speedup = 0.0, "-", 1.0
         if r["name"] != "sync":
             prediction = predict_for_run(r["config"], smoke).prediction
-            pred, speedup = prediction.staleness_mean, prediction.steps_per_s / base
+            pred, speedup = prediction.staleness_mean, prediction.groups_per_s / base
             miss = f"{pred - r['dv']:+.2f} ({abs(pred - r['dv']) / r['dv']:.0%})" if r["dv"] > 0 else f"{pred:+.2f}"
         print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {speedup:.2f} | "
               f"{r['wall']:.1f} | "

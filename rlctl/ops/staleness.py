@@ -56,6 +56,7 @@ class SimParams:
     sync_s: float = 0.0  # weight publish per step (learner side)
     steps: int = 200
     cores: float | None = None  # compute shared by all busy activities (processor sharing); None = no contention
+    min_groups: int | None = None  # partial rollout: a step proceeds with this many ready groups; None = all B
 
     @property
     def max_ahead(self) -> int:
@@ -70,6 +71,7 @@ class Prediction:
     learner_wait_share: float
     rollout_wait_share: float
     steps_per_s: float
+    groups_per_s: float  # trained groups per second (steps_per_s x B unless partial rollout trains fewer)
     utilisation: float  # rollout demand / learner capacity: > 1 means rollout-bound
 
 
@@ -111,12 +113,14 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
         nonlocal learner_wait, dropped
         if -1 in jobs or step >= p.steps:
             return
-        if p.mode == "async":
-            fresh = sorted(k for k, v in pending.items() if version - v <= p.max_staleness)
-            for k in [k for k, v in pending.items() if version - v > p.max_staleness]:
+        if p.mode == "async" or p.min_groups:
+            below = None if p.mode == "async" else (step + 1) * b  # one_step_off: only batches up to this step's
+            bound = p.max_staleness if p.mode == "async" else ahead
+            for k in [k for k, v in pending.items() if version - v > bound and (below is None or k < below)]:
                 pending.pop(k)
                 dropped += 1
-            if len(fresh) < b:
+            fresh = sorted(k for k in pending if below is None or k < below)
+            if len(fresh) < (p.min_groups or b):
                 return
             batch = fresh[:b]
         else:
@@ -162,6 +166,7 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
         learner_wait_share=learner_wait / total,
         rollout_wait_share=rollout_wait / (total * p.workers),
         steps_per_s=step / total,
+        groups_per_s=len(trained) / total,
         utilisation=(per_group * b / p.workers) / max(p.learn_s + p.sync_s, 1e-9),
     )
 
@@ -202,7 +207,9 @@ def from_config(config: object, *, learn_s: float, token_s: float, call_s: float
                      group_size=c.algo.group_size, workers=workers,
                      chunk=c.staleness.rollout_chunk or max(1, -(-b // workers)),
                      capacity=c.staleness.queue_capacity or (ahead + 1) * b, learn_s=learn_s, token_s=token_s,
-                     call_s=call_s, sync_s=sync_s, steps=steps, cores=cores)
+                     call_s=call_s, sync_s=sync_s, steps=steps, cores=cores,
+                     min_groups=math.ceil(c.staleness.partial_fraction * b) if c.staleness.partial_fraction < 1
+                     else None)
 
 
 @dataclass(frozen=True, slots=True)
