@@ -65,6 +65,14 @@ def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
     return resolve_policy_dir(tiny_config, task, _rlctl_home / "cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory):
+    """A tiny scalar-head reward model (Llama sequence classifier, character tokenizer), random seeded weights."""
+    from rlctl.models.reward_model import build_tiny_reward_model
+
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm") / "rm", seed=0)
+
+
 # Tables tests want printed after the run (e.g. the sandbox payload -> outcome table), title -> lines.
 SUMMARY_TABLES: dict[str, list[str]] = {}
 

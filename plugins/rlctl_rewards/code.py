@@ -32,12 +32,13 @@ What this is not: a general judge (no stdin/stdout problems yet) or a sandbox
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -369,8 +370,17 @@ class CodeReward:
         self.options = o = options or CodeOptions()
         self.sandbox = Sandbox(Limits(wall_s=o.wall_s, cpu_s=o.cpu_s, memory_mb=o.memory_mb, pids=o.pids,
                                       output_bytes=o.output_kib << 10), python=o.python)
-        self.version = f"code@{VERSION}+{o.score}"
+        self.version = f"code@{VERSION}+{o.score}+{self.fingerprint()}"
         self.sandbox.check()  # fail at startup, with the fix, not on the first sample
+
+    def fingerprint(self) -> str:
+        """A hash of everything that decides a verdict besides the code under test: the program and test
+        templates, scoring rules, interpreter, every sandbox limit, the jail's flags and the in-jail harness."""
+        o = self.options
+        graded = {"program": o.program, "tests": o.tests, "score": o.score, "on_timeout": o.on_timeout,
+                  "python": o.python, "limits": asdict(self.sandbox.limits), "jail": self.sandbox.bwrap_args(),
+                  "harness": hashlib.sha256(RUNNER.encode()).hexdigest()}
+        return hashlib.sha256(json.dumps(graded, sort_keys=True).encode()).hexdigest()[:12]
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}

@@ -1,4 +1,4 @@
-"""Built-in reward functions: "math", "format", "length" and "code".
+"""Built-in reward functions: "math", "format", "length", "code" and "reward_model".
 
 What this is: the entry point ``rewards = "rlctl_rewards.plugin"``; it registers
 each reward with its options model, exactly as a third-party plugin would.
@@ -16,12 +16,17 @@ from rlctl_rewards.code import CodeOptions, CodeReward
 from rlctl_rewards.format import FormatOptions, FormatReward
 from rlctl_rewards.length import LengthOptions, LengthPenalty
 from rlctl_rewards.math import MathOptions, MathReward
+from rlctl_rewards.reward_model import RewardModelOptions, RewardModelReward
 
 
 @hookimpl
 def register_reward_functions(register: Callable[..., None]) -> None:
-    """Register "math", "format", "length" and "code"; each factory is called as ``factory(options=...)``."""
+    """Register "math", "format", "length", "code" and "reward_model".
+
+    Each factory is called as ``factory(options=...)``.
+    """
     register("math", MathReward, options=MathOptions)
     register("format", FormatReward, options=FormatOptions)
     register("length", LengthPenalty, options=LengthOptions)
     register("code", CodeReward, options=CodeOptions)
+    register("reward_model", RewardModelReward, options=RewardModelOptions)

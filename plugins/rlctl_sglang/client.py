@@ -1,24 +1,20 @@
 """A small HTTP client for one SGLang-API server (stdlib only, JSON in and out).
 
 What this is: the calls the sglang rollout backend makes, each bounded by a
-timeout, with errors that name the server: ``ServerError`` with ``status``
-None when the server is unreachable (refused, reset, timed out) and the HTTP
-status otherwise. Proxies are bypassed: rollout servers are addressed directly.
+timeout (one ``rlctl.serve.client.call_json`` each), with errors that name the
+server: ``ServerError`` with ``status`` None when the server is unreachable
+(refused, reset, timed out) and the HTTP status otherwise. Proxies are
+bypassed: rollout servers are addressed directly.
 
 What this is not: retry policy (the backend decides) or an SGLang SDK.
 """
 
 from __future__ import annotations
 
-import json
-import socket
-import urllib.error
-import urllib.request
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from rlctl.serve.client import CallError, call_json
 
 
 class ServerError(RoleError):
@@ -39,32 +35,15 @@ class ServerClient:
 
     def __init__(self, url: str, timeout_s: float, api_key: str | None = None) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self._headers = {"Content-Type": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._api_key = api_key or None
         self._info_path = "/model_info"  # SGLang's current route; /get_model_info is its deprecated alias
 
     def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
         try:
-            with _OPENER.open(request, timeout=timeout_s or self.timeout_s) as resp:
-                raw = resp.read()
-                kind = resp.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
-            try:
-                parsed = json.loads(detail)
-                detail = parsed.get("message") or parsed.get("error") or detail
-            except (json.JSONDecodeError, AttributeError):
-                pass
-            raise ServerError(self.url, f"{method} {path} answered {err.code}: {detail}", err.code) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
-            reason = getattr(err, "reason", err)
-            raise ServerError(self.url, f"{method} {path} failed: {reason}", None) from None
-        if "json" in kind and raw:
-            return json.loads(raw)
-        return raw.decode(errors="replace")
+            return call_json(self.url, method, path, body, timeout_s=timeout_s or self.timeout_s,
+                             api_key=self._api_key)
+        except CallError as err:
+            raise ServerError(self.url, err.message, err.status) from None
 
     def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         try:

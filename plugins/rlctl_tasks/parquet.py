@@ -37,7 +37,6 @@ class ParquetTask:
     def _read(self, pq, path: Path, split: Split, reader: RowReader) -> tuple[PromptRecord, ...]:
         import pyarrow as pa
 
-        opts = self.options
         if not path.is_file():
             raise DataError(f"task file for split {split.value} not found: {path}", f"set task.options.{split.value}")
         try:
@@ -45,13 +44,4 @@ class ParquetTask:
         except (pa.ArrowException, OSError) as err:
             raise DataError(f"{path}: not a readable Parquet file ({err})", "write the split with pyarrow/pandas "
                             "to_parquet") from None
-        needed = [opts.messages_key] if opts.messages_key else [opts.prompt_key]
-        missing = [c for c in needed + [opts.answer_key] if c not in table.column_names]
-        if missing:
-            raise DataError(f"{path}: no column(s) {', '.join(map(repr, missing))} (it has {table.column_names})",
-                            "map the columns with task.options.prompt_key / answer_key / messages_key")
-        rows = [reader.record(row, f"{path} row {i}", split, f"{split.value}-{i}")
-                for i, row in enumerate(table.select(needed + [opts.answer_key]).to_pylist(), start=1)]
-        if not rows:
-            raise DataError(f"{path} has no rows", f"the {split.value} split needs at least one prompt")
-        return tuple(rows)
+        return reader.table(str(path), table.column_names, lambda columns: table.select(columns).to_pylist(), split)

@@ -1,4 +1,4 @@
-"""Turning user rows (JSONL lines, Parquet rows) into checked prompt records.
+"""Turning user rows (JSONL lines, Parquet rows, Hugging Face datasets rows) into checked prompt records.
 
 What this is: the row rules every file-backed task source shares. Columns
 are mapped by name (``prompt_key`` / ``answer_key`` / ``messages_key``); a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -116,19 +116,37 @@ class RowReader:
         self.name, self.options = name, options
         self.chat = ChatRenderer(options) if options.messages_key else None
         self.pattern = re.compile(options.answer_pattern) if options.answer_pattern else None
+        self.prompt_column = options.messages_key or options.prompt_key
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns a row must have."""
+        return [self.prompt_column, self.options.answer_key]
+
+    def table(self, source: str, column_names: Sequence[str], read: Callable[[list[str]], Iterable[Any]],
+              split: Split) -> tuple[PromptRecord, ...]:
+        """Records of one split stored as a table: its columns are checked, then ``read(columns)`` gives its rows
+        (dicts of those columns). ``source`` names the table in errors; rows are numbered from 1."""
+        missing = [c for c in self.columns if c not in column_names]
+        if missing:
+            raise DataError(f"{source}: no column(s) {', '.join(map(repr, missing))} (it has {list(column_names)})",
+                            "map the columns with task.options.prompt_key / answer_key / messages_key")
+        records = tuple(self.record(row, f"{source} row {i}", split, f"{split.value}-{i}")
+                        for i, row in enumerate(read(self.columns), start=1))
+        if not records:
+            raise DataError(f"{source} has no rows", f"the {split.value} split needs at least one prompt")
+        return records
 
     def record(self, row: Any, where: str, split: Split, rid: str) -> PromptRecord:
         opts = self.options
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object/record, got {type(row).__name__}", "one record per row")
-        if self.chat is not None:
-            if opts.messages_key not in row:
-                raise DataError(f"{where}: row has no {opts.messages_key!r}", "add the chat messages or drop the row")
-            prompt = self.chat.render(row[opts.messages_key], where)
-        else:
-            prompt = row.get(opts.prompt_key)
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise DataError(f"{where}: row has no non-empty {opts.prompt_key!r}", "add the prompt or drop the row")
+        key = self.prompt_column
+        value = row.get(key)
+        if key not in row or (self.chat is None and (not isinstance(value, str) or not value.strip())):
+            what = "the chat messages" if self.chat is not None else "the prompt"
+            raise DataError(f"{where}: row has no non-empty {key!r}", f"add {what} or drop the row")
+        prompt = self.chat.render(value, where) if self.chat is not None else value
         answer = row.get(opts.answer_key)
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             raise DataError(f"{where}: row has no {opts.answer_key!r}", "add the reference answer or drop the row")

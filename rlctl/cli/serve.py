@@ -2,6 +2,8 @@
 
 ``rlctl serve rollout --model DIR --port N`` serves the local rollout engine
 behind the SGLang native API subset the sglang plugin uses (rlctl.serve).
+``rlctl serve reward --model DIR --port N`` serves a sequence-classification
+reward model (scalar head) for the ``reward_model`` reward (rlctl.serve.reward).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="Serve rlctl engines over HTTP (SGLang-compatible API).", no_args_is_help=True)
+app = typer.Typer(help="Serve rlctl engines over HTTP (rollout: SGLang-compatible API; reward: a reward model).",
+                  no_args_is_help=True)
 
 
 @app.command("rollout")
@@ -47,7 +50,8 @@ def rollout(
     verbose: bool = typer.Option(False, "--verbose", help="Log every HTTP request to stderr."),
 ) -> None:
     """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
-    from rlctl.serve.server import HttpOptions, build_service, check_exposure, serve
+    from rlctl.serve.http_common import HttpOptions, check_exposure
+    from rlctl.serve.server import build_service, serve
 
     check_exposure(host, api_key)  # before the model loads: refusing should be instant
     http = HttpOptions(api_key=api_key or None, max_connections=max_connections, read_timeout_s=read_timeout_s)
@@ -60,5 +64,44 @@ def rollout(
     # Shut down cleanly above (work cancelled, engine thread joined, socket closed); skip the interpreter's
     # teardown of torch, which takes seconds on a busy machine and would stretch SIGTERM past a few seconds.
     sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@app.command("reward")
+def reward(
+    model: Path = typer.Option(..., "--model", help="Hugging Face AutoModelForSequenceClassification directory with "
+                               "num_labels=1 (a tiny one: `python scripts/make_reward_model.py DIR`)."),
+    port: int = typer.Option(30100, "--port", min=0, max=65535, help="TCP port; 0 picks a free one (printed on start)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLCTL_SERVE_API_KEY", show_envvar=True,
+                                          help="Require `Authorization: Bearer KEY` on every route. Prefer the "
+                                               "environment variable: argv is public."),
+    batch_wait_ms: float = typer.Option(5.0, "--batch-wait-ms", min=0.0, help="How long to collect concurrent "
+                                        "requests into one forward pass."),
+    max_batch_rows: int = typer.Option(64, "--max-batch-rows", min=1, help="Sequences per forward pass."),
+    max_texts: Optional[int] = typer.Option(None, "--max-texts", min=1, help="Sequences per /score request "
+                                            "(default 256)."),
+    max_body_mb: Optional[float] = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit "
+                                                "in MiB (default 8)."),
+    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; "
+                                        "more get 503."),
+    read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections "
+                                         "are closed after this."),
+    verbose: bool = typer.Option(False, "--verbose", help="Log every HTTP request to stderr."),
+) -> None:
+    """Serve a reward model (scalar head) over HTTP: POST /score, GET /info (its model_hash), /health."""
+    from rlctl.serve.http_common import HttpOptions, check_exposure
+    from rlctl.serve.reward import build_reward_service, serve
+
+    check_exposure(host, api_key, "use the reward model")  # before the model loads: refusing should be instant
+    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, read_timeout_s=read_timeout_s)
+    service = build_reward_service(model, max_wait_s=batch_wait_ms / 1000.0, max_batch_rows=max_batch_rows,
+                                   max_texts=max_texts,
+                                   max_body_bytes=None if max_body_mb is None else int(max_body_mb * (1 << 20)))
+    serve(service, host, port, http=http, verbose=verbose,
+          ready=lambda url: typer.echo(f"rlctl serve reward: listening on {url} (model {model}, "
+                                       f"model_hash {service.model_hash})"))
+    sys.stdout.flush()  # as `serve rollout`: skip the interpreter's slow torch teardown after a clean shutdown
     sys.stderr.flush()
     os._exit(0)

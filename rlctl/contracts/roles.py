@@ -87,6 +87,18 @@ class RewardFunction(Protocol):
 
 
 @runtime_checkable
+class BatchRewardFunction(RewardFunction, Protocol):
+    """A reward function that can also score many samples in one call (one request to a reward-model server).
+
+    Optional: core uses ``score_batch`` when a reward function has it, and ``score`` otherwise.
+    """
+
+    def score_batch(self, trajectories: Sequence[Trajectory], references: Sequence[str]) -> list[RewardResult]:
+        """One result per sample, in order; same rules as ``score`` (an error is an error_code, never 0)."""
+        ...
+
+
+@runtime_checkable
 class LearnerBackend(Protocol):
     """Owns the trainable policy, its optimizer and the frozen reference."""
 

@@ -107,8 +107,13 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
             else:
                 dropped += 1
     if not rewards and last is None:
-        raise RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries",
-                        "see `rlctl runbook show verifier-timeouts`")
+        codes: dict[str, int] = {}
+        for t in unscored:
+            if t.reward_error is not None:
+                codes[t.reward_error] = codes.get(t.reward_error, 0) + 1
+        shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
+        raise RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries "
+                        f"with a fresh grader ({shown}; none scored 0)", "see `rlctl runbook show verifier-timeouts`")
     if not rewards:  # nothing informative at all: train on the last round (zero advantages, zero gradient)
         kept, r_all, v_all = last
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from rlctl.contracts.roles import RewardFunction
+from rlctl.contracts.roles import BatchRewardFunction, RewardFunction
 from rlctl.contracts.types import RewardResult, TerminalReason, Trajectory
 
 if TYPE_CHECKING:
@@ -27,11 +27,15 @@ def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str],
     """Scored copies of ``trajectories`` (same order) and each scoring latency in seconds.
 
     With ``pool`` the samples are graded in parallel worker processes (same
-    results, same order); without it, one by one in this process.
+    results, same order); without it, in this process, through ``score_batch``
+    when the reward has one (the mixed reward does) and one by one otherwise.
     """
     todo = [t for t in trajectories if t.terminal_reason is not TerminalReason.ABORT]
+    graded = None
     if pool is not None:
         graded = iter(pool.score(todo, [references[t.prompt_id] for t in todo]))
+    elif isinstance(reward, BatchRewardFunction):  # the mixed reward: batch-capable components get one call
+        graded = iter(reward.score_batch(todo, [references[t.prompt_id] for t in todo]))
     scored, latencies = [], []
     for traj in trajectories:
         started = time.perf_counter()
@@ -39,7 +43,7 @@ def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str],
             scored.append(traj.updated(reward_error="aborted", scored_at=time.time()))
             latencies.append(0.0)
             continue
-        if pool is not None:
+        if graded is not None:
             result = next(graded)
             scored.append(_apply(traj, result, truncation_penalty))
             latencies.append(result.latency_s)

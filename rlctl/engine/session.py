@@ -75,9 +75,21 @@ def load_task(config: RunConfig, plugins: Plugins, reward: MixedReward | None = 
 def build_reward(config: RunConfig, plugins: Plugins) -> MixedReward:
     parts = []
     for i, comp in enumerate(config.reward.components):
-        fn = plugins.build("reward_function", comp.name, comp.options, f"reward.components.{i}.options")
+        fn = plugins.build("reward_function", comp.name, reward_options(config, plugins, comp.name, comp.options),
+                           f"reward.components.{i}.options")
         parts.append((comp.name, comp.weight, fn))
     return MixedReward(parts)
+
+
+def reward_options(config: RunConfig, plugins: Plugins, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A reward's options; one with a ``policy_tokenizer`` option (it decodes prompt tokens) gets the policy's
+    tokenizer unless told otherwise (the built-in model's is the character tokenizer, its own default)."""
+    out = dict(options)
+    model = plugins.get("reward_function", name).options
+    if (model is not None and "policy_tokenizer" in model.model_fields and out.get("policy_tokenizer") is None
+            and not config.model.builtin):
+        out["policy_tokenizer"] = config.model.path
+    return out
 
 
 def reward_from_config(config: RunConfig) -> MixedReward:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.serve.http_common import ApiError, is_int, json_repr  # noqa: F401 - ApiError: part of this schema's API
 
 TOP_K_ALL = 1 << 30  # SGLang's "top_k off"
 LOGPROB_SEMANTICS = "sampled-distribution"  # temperature + top-k + top-p, as rlctl.algo.sampling
@@ -46,14 +47,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "sampling_seed": (None,), "custom_params": (None,), "beam_width": (None,),
     "watermark": (None,), "choice": (None,),
 }
-
-
-class ApiError(Exception):
-    """A request the server refuses; becomes ``{"error": message}`` with ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +136,6 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
     return GenerateCall(rows=tuple(rows), single=single and len(rows) == 1)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _prompts(body: Mapping[str, Any], tokenize: Any, limits: Limits) -> tuple[list[tuple[int, ...]], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
@@ -184,16 +173,10 @@ def _prompts(body: Mapping[str, Any], tokenize: Any, limits: Limits) -> tuple[li
         if len(row) > limits.positions:
             raise ApiError(400, f"{where} has {len(row)} tokens; the model has {limits.positions} positions")
         for i in row:
-            if not _is_int(i) or not 0 <= i < limits.vocab_size:
+            if not is_int(i) or not 0 <= i < limits.vocab_size:
                 raise ApiError(400, f"{where} holds {json_repr(i)}; token ids are integers in "
                                     f"[0, {limits.vocab_size}) for this model")
     return [tuple(row) for row in batch], single
-
-
-def json_repr(value: Any) -> str:
-    """A short rendering of a client value for an error message."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _per_row(value: Any, n: int, name: str, kind: type) -> list[Any]:
@@ -221,7 +204,7 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
 
 def _integer(params: Mapping[str, Any], key: str, default: int) -> int:
     value = params.get(key, default)
-    if not _is_int(value):
+    if not is_int(value):
         raise ApiError(400, f"sampling_params.{key} must be an integer, got {json_repr(value)}")
     return value
 

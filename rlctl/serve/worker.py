@@ -38,11 +38,8 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import RolloutRequest, Trajectory
+from rlctl.serve.http_common import Cancelled
 from rlctl.serve.sglang_api import Row
-
-
-class Cancelled(RoleError):
-    """The job was cancelled (its client left, or the server is shutting down) before it finished."""
 
 
 @dataclass(eq=False)

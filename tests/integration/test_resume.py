@@ -294,3 +294,39 @@ def test_sigterm_marks_the_run_interrupted_and_resumable(home, tmp_path, straigh
     out = json.loads(resume(home, run_dir).stdout)
     assert out["run"]["status"] == "succeeded" and out["first_step"] >= 3
     assert_same_params(straight, run_dir)
+
+
+# -- the chat template and the tokenizer are part of the dataset version --------------------------------------
+
+
+def test_a_changed_chat_template_or_tokenizer_is_a_new_dataset_and_resume_refuses_it(home, tmp_path):
+    from tests.unit.test_task_formats import save_tokenizer
+
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a in range(5) for b in range(5)]
+    files = {}
+    for split, part in (("train", rows[:15]), ("dev", rows[15:20]), ("hidden", rows[20:])):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in part))
+    tok = tmp_path / "tok"
+    save_tokenizer(tok, template=template)
+    task = ["task.source=jsonl", "task.options={" + ", ".join(f"{k}: {v}" for k, v in files.items())
+            + f", messages_key: messages, tokenizer: {tok}}}"]
+    run_dir = tmp_path / "run"
+    train(home, run_dir, *task, "train.steps=2", "checkpoint.every_steps=2")
+
+    save_tokenizer(tok, template=template.replace("[assistant]", "[bot]"))  # same files, another template
+    proc = resume(home, run_dir, "train.steps=4", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "the dataset changed since checkpoint step 2" in proc.stderr, proc.stderr
+
+    save_tokenizer(tok, template=template, extra_token="<tool>")  # the same template, another tokenizer
+    proc = rlctl("train", "--resume", run_id(run_dir), "train.steps=4", home=home)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "the dataset changed since checkpoint step 2" in proc.stderr, proc.stderr
+
+    save_tokenizer(tok, template=template)  # back to what the run trained on: the resume goes through
+    proc = resume(home, run_dir, "train.steps=4")
+    assert json.loads(proc.stdout)["run"]["status"] == "succeeded"

@@ -3,7 +3,6 @@ and a code task end to end through the scoring path (scripted completions, in-pr
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 from functools import partial
@@ -68,7 +67,7 @@ def test_scores_fraction_and_all(reward: CodeReward) -> None:
     assert half.total == pytest.approx(2 / 3) and half.log.startswith("failed 2/3")
     strict = CodeReward(CodeOptions(score="all", wall_s=5))
     assert strict.score(traj(HALF), TESTS).total == 0.0
-    assert strict.version == "code@1.0+all"
+    assert strict.version.startswith("code@1.0+all+")
 
 
 def test_timeout_fails_or_is_excluded_by_option() -> None:
@@ -109,7 +108,7 @@ def test_code_task_end_to_end_through_scoring(reward: CodeReward) -> None:
     expected = [1.0, 2 / 3, 0.0, 1.0, 0.5, 1.0]
     assert [t.reward for t in in_proc[:6]] == pytest.approx(expected)
     assert in_proc[6].reward_error == "aborted"
-    assert all(t.grader_version == "code:code@1.0+fractionx1.0" for t in in_proc[:6])
+    assert all(t.grader_version == f"code:{mix.components[0][2].version}x1.0" for t in in_proc[:6])
     with ProcessRewardPool(partial(MixedReward, [("code", 1.0, reward)]), workers=2, timeout_s=30) as pool:
         pooled, _ = score_all(trajs, refs, mix, None, pool=pool)
     assert [t.reward for t in pooled[:6]] == pytest.approx(expected)
@@ -141,3 +140,18 @@ def test_program_and_tests_templates_grade_expression_completions() -> None:
     assert arith.score(traj("__import__('os')._exit(0)"), "17").total == 0.0
     with pytest.raises(ValueError, match="must contain"):
         CodeOptions(program="print(1)")
+
+
+def test_the_version_covers_templates_limits_and_scoring_rules() -> None:
+    """Changing how a program is graded (templates, any sandbox limit, scoring rule) changes the grader version,
+    and with it the dataset version of a run (so a resume across the change is refused)."""
+    base = CodeReward(CodeOptions())
+    assert CodeReward(CodeOptions()).version == base.version  # the same settings: the same version
+    changes = [{"tests": "assert answer == {reference}"}, {"program": "answer = {code}"}, {"wall_s": 5.0},
+               {"cpu_s": 5}, {"memory_mb": 256}, {"pids": 16}, {"output_kib": 64}, {"score": "all"},
+               {"on_timeout": "exclude"}]
+    versions = {CodeReward(CodeOptions(**change)).version for change in changes}
+    assert len(versions) == len(changes) and base.version not in versions
+    weaker = CodeReward(CodeOptions())
+    weaker.sandbox.drop_flags = ("--unshare-net",)  # another jail grades differently
+    assert weaker.fingerprint() != base.fingerprint()

@@ -24,18 +24,18 @@ from rlctl.hooks import hookspecs, manager
 from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 
 BUILTINS = {
-    "task_source": ["arith", "jsonl", "parquet"],
+    "task_source": ["arith", "hf_disk", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang"],
     "learner_backend": ["fsdp2", "torch"],
     "critic_backend": ["torch"],
-    "reward_function": ["code", "format", "length", "math"],
+    "reward_function": ["code", "format", "length", "math", "reward_model"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
     "fault": ["bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error", "verifier-timeout"],
 }
 BUILTIN_PLUGINS = {
-    "tasks": {"task source": ("arith", "jsonl", "parquet")},
-    "rewards": {"reward function": ("code", "format", "length", "math")},
+    "tasks": {"task source": ("arith", "hf_disk", "jsonl", "parquet")},
+    "rewards": {"reward function": ("code", "format", "length", "math", "reward_model")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
@@ -140,8 +140,8 @@ def test_builtins_build(tmp_path: Path) -> None:
     ("kind", "typo", "suggestion", "installed"),
     [
         ("rollout_backend", "loacl", "local", "local, sglang"),
-        ("reward_function", "maht", "math", "code, format, length, math"),
-        ("task_source", "jsnol", "jsonl", "arith, jsonl, parquet"),
+        ("reward_function", "maht", "math", "code, format, length, math, reward_model"),
+        ("task_source", "jsnol", "jsonl", "arith, hf_disk, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "fsdp2, torch"),
     ],
 )
@@ -314,8 +314,8 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
                 FakeEntryPoint("unwanted", reward_plugin(other=(GoodReward, None))))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
-    assert plugins.names("reward_function") == ["code", "format", "good", "length", "math"]
-    assert plugins.names("task_source") == ["arith", "jsonl", "parquet"]
+    assert plugins.names("reward_function") == ["code", "format", "good", "length", "math", "reward_model"]
+    assert plugins.names("task_source") == ["arith", "hf_disk", "jsonl", "parquet"]
 
 
 def test_third_party_import_failure_names_the_plugin(third_party, monkeypatch) -> None:

@@ -270,3 +270,78 @@ def test_length_grouping_is_a_validated_config_option():
     assert load_config(None, ["task.length_grouping=4"]).task.length_grouping == 4
     with pytest.raises(ConfigError, match="length_grouping"):
         load_config(None, ["task.length_grouping=-1"])
+
+
+# -- a local Hugging Face datasets directory (save_to_disk) -----------------------------------------------------
+
+
+def save_gsm8k_like(tmp_path: Path, **extra_columns) -> str:
+    """A DatasetDict with only train and test splits, GSM8K's columns (question, answer '... #### N')."""
+    datasets = pytest.importorskip("datasets")  # the ``data`` extra; CI installs it
+    train = {"question": [f"q{i}" for i in range(6)], "answer": [f"work\n#### {i}" for i in range(6)]}
+    test = {"question": ["t1", "t2"], "answer": ["#### 10", "#### 1,234"]}
+    for name, values in extra_columns.items():
+        train[name], test[name] = values[:6], values[6:]
+    path = tmp_path / "gsm8k"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(train),
+                          "test": datasets.Dataset.from_dict(test)}).save_to_disk(str(path))
+    return str(path)
+
+
+def test_hf_disk_source_maps_columns_slices_splits_and_extracts_answers(tmp_path, plugins):
+    from rlctl.config.load import load_config
+    from rlctl.engine.session import load_task
+
+    path = save_gsm8k_like(tmp_path)
+    opts = (f"{{path: {path}, train: 'train[:-2]', dev: 'train[-2:]', hidden: test, prompt_key: question, "
+            r"answer_pattern: '####\s*(-?[\d,]+)'}")
+    data = load_task(load_config(None, ["task.source=hf_disk", "task.options=" + opts]), plugins)
+    assert [(r.text, r.answer) for r in data.train] == [(f"q{i}", str(i)) for i in range(4)]
+    assert [r.text for r in data.dev] == ["q4", "q5"] and [r.answer for r in data.hidden] == ["10", "1,234"]
+    assert data.name == "hf_disk"
+
+
+def test_hf_disk_chat_column_renders_with_the_template_and_single_dataset_dirs_work(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from rlctl_tasks.hf_disk import HfDiskOptions, HfDiskTask
+
+    dirs = {}
+    for split, q, a in (("train", "1+1=", "2"), ("dev", "2+2=", "4"), ("hidden", "3+3=", "6")):
+        dirs[split] = str(tmp_path / split)
+        datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": q}]], "answer": [a]}).save_to_disk(
+            dirs[split])
+    data = HfDiskTask(HfDiskOptions(**dirs, messages_key="messages", chat_template=TEMPLATE)).load()
+    assert data.train[0].text == "<user>1+1=\n<assistant>" and data.hidden[0].answer == "6"
+
+
+def test_hf_disk_errors_name_the_directory_split_column_or_row(tmp_path):
+    pytest.importorskip("datasets")
+    from rlctl_tasks.hf_disk import HfDiskOptions, HfDiskTask
+
+    path = save_gsm8k_like(tmp_path)
+    sliced = dict(train="train[:-2]", dev="train[-2:]", hidden="test")
+    cases = [
+        (dict(path=str(tmp_path / "missing")), "datasets directory not found"),
+        (dict(path=str(tmp_path)), "is not a directory written by save_to_disk"),
+        (dict(path=path, prompt_key="question"), r"has no split 'validation' \(it has: train, test\)"),
+        (dict(path=path, **sliced),
+         r"split train\[:-2\]: no column\(s\) 'prompt' \(it has \['question', 'answer'\]\)"),
+        (dict(path=path, **sliced, prompt_key="question", answer_pattern=r"####\s*(\d+)$"),
+         r"test row 2: answer_pattern .* does not match"),
+        (dict(train=path, dev=path, hidden=path), "holds a DatasetDict"),
+        (dict(path=path, **sliced, prompt_key="question", answer_key="solution"), "no column"),
+    ]
+    for options, problem in cases:
+        with pytest.raises(DataError, match=problem) as err:
+            HfDiskTask(HfDiskOptions(**options)).load()
+        assert err.value.hint
+    (Path(path) / "train" / "state.json").write_text("{broken")
+    with pytest.raises(DataError, match="cannot load the saved dataset|not a directory written"):
+        HfDiskTask(HfDiskOptions(path=path, **sliced, prompt_key="question")).load()
+
+
+def test_hf_disk_bad_split_syntax_is_a_config_error(plugins):
+    from rlctl.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="split name"):
+        plugins.build("task_source", "hf_disk", {"path": "x", "train": "train[a:b]"}, "task.options")
