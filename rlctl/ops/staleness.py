@@ -191,9 +191,9 @@ def contention_cores(config: object) -> float | None:
     import os
 
     cluster = config.cluster
-    if cluster.backend == "local":
-        return 1.0
-    return float(cluster.num_cpus or os.cpu_count() or 1)
+    if cluster.backend == "ray":  # separate processes: the CPUs they may use
+        return float(cluster.num_cpus or os.cpu_count() or 1)
+    return 1.0  # threads of one process
 
 
 def from_config(config: object, *, learn_s: float, token_s: float, call_s: float = 0.0, sync_s: float = 0.0,
