@@ -9,6 +9,9 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# DeepSpeed JIT-compiles a shared-memory op at its first process-group init (~40 s); cache it in the workspace
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                           ".cache", "torch_extensions"))
 
 import pytest  # noqa: E402
 

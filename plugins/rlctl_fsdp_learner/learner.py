@@ -20,9 +20,14 @@ Weights for publishing are gathered to rank 0 (full state dict, on the CPU).
 Precision: ``bfloat16`` gathers parameters in bf16 for compute while the fp32
 shards are the master weights and AdamW moments stay fp32.
 
-What this is not: data parallel (every rank sees the whole batch), or a
-checkpointable learner yet: with ``checkpoint.every_steps > 0`` the run stops
-at start with the engine's "cannot checkpoint" error.
+Checkpoints are sharded (ShardedCheckpointLearner): every rank writes its own
+pieces of the fp32 weights and AdamW state with torch.distributed.checkpoint
+into the checkpoint's ``shards/`` (layout: rlctl.engine.shards), the rest
+(LR schedule, param groups, the mini-batch generator, counters) travels in the
+checkpoint's JSON like the torch learner's. Loading reads whatever pieces this
+rank's shards overlap, so a checkpoint saved by N ranks resumes on M.
+
+What this is not: data parallel (every rank sees the whole batch).
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from rlctl import ConfigError, RoleError, WeightUpdate
+from rlctl import CheckpointError, ConfigError, RoleError, WeightUpdate
 from rlctl.contracts.batch import TrainBatch
-from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.engine import shards, state_codec
 from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl_fsdp_learner.options import FsdpLearnerOptions
@@ -87,7 +93,77 @@ class _Rank(TorchLearner):
     def save_full(self, directory: str) -> None:
         state = self.full_state()
         if dist.get_rank() == 0:
-            self.model.save_pretrained(directory, state_dict=state)
+            # gathered copies no longer share storage: drop tied aliases by name, as save_pretrained would
+            own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+            self.model.save_pretrained(directory, state_dict={k: v for k, v in state.items() if k in own})
+
+    # -- sharded checkpoints (a collective: every rank runs these) ---------------------------------
+
+    def _shard_tensors(self) -> tuple[dict[str, Any], list[Any]]:
+        """This rank's ``model.*`` / ``optim.*`` tensors (DTensors over the group) and the optimizer's param groups."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model = get_model_state_dict(self.model)
+        optim = get_optimizer_state_dict(self.model, self.optimizer)  # creates empty AdamW state if none yet
+        seen: set[int] = set()
+        out: dict[str, Any] = {}
+        for name, tensor in model.items():  # tied aliases (lm_head sharing the embedding) once, as HF saves them
+            ptr = _local(tensor).data_ptr()
+            if ptr not in seen or _local(tensor).numel() == 0:
+                seen.add(ptr)
+                out[shards.MODEL + name] = tensor
+        for name, st in optim["state"].items():
+            for key, tensor in st.items():
+                out[f"{shards.OPTIM}{name}.{key}"] = tensor
+        return out, optim["param_groups"]
+
+    def save_shards(self, directory: str) -> LearnerState:
+        tensors, groups = self._shard_tensors()
+        shards.dcp_save(tensors, directory)
+        return LearnerState(
+            policy_version=self.policy_version, weights={}, model_files=self._model_files(),
+            optimizer={"param_groups": state_codec.clone(groups)},
+            scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
+            rng={"minibatch_order": self.generator.get_state()},
+            counters={"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
+                      "oom_recoveries": self.oom_recoveries, "world_size": dist.get_world_size()},
+            shard_dir=directory)
+
+    def load_shards(self, state: LearnerState) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        tensors, _ = self._shard_tensors()
+        saved = shards.shapes(state.shard_dir)
+        problems = [f"{k} is missing" for k in sorted(set(tensors) - set(saved))]
+        problems += [f"{k} is unexpected" for k in sorted(set(saved) - set(tensors)) if k.startswith(shards.MODEL)]
+        problems += [f"{k} is {list(saved[k][0])} in the checkpoint but {list(v.shape)} now"
+                     for k, v in tensors.items() if k in saved and tuple(saved[k][0]) != tuple(v.shape)]
+        if problems:
+            raise CheckpointError(f"the model shape changed since the checkpoint: {'; '.join(problems[:3])}"
+                                  + (f" and {len(problems) - 3} more" if len(problems) > 3 else ""),
+                                  "resume with the model the run was trained with")
+        shards.dcp_read(tensors, state.shard_dir)  # each rank reads the pieces its shards overlap
+        model = {k[len(shards.MODEL):]: v for k, v in tensors.items() if k.startswith(shards.MODEL)}
+        set_model_state_dict(self.model, model, options=_non_strict())
+        per_param: dict[str, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            if key.startswith(shards.OPTIM):
+                name, field = key[len(shards.OPTIM):].rsplit(".", 1)
+                per_param.setdefault(name, {})[field] = tensor
+        set_optimizer_state_dict(self.model, self.optimizer,
+                                 {"state": per_param, "param_groups": state.optimizer["param_groups"]})
+        self.scheduler.load_state_dict(state.scheduler)
+        self.generator.set_state(state.rng["minibatch_order"])
+        self.policy_version = state.policy_version
+        self.nan_skips = int(state.counters.get("nan_skips", 0))
+        self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
+        self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
+
+
+def _non_strict() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)  # tied aliases were saved once
 
 
 def _decoder_layers(model: Any) -> list[Any]:
@@ -128,14 +204,14 @@ def _init_group(device: torch.device, port: int, rank: int, world: int, timeout_
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _follow(rank: int, world: int, port: int, ctx: LearnerContext, options: FsdpLearnerOptions,
+def _follow(make_rank: Any, rank: int, world: int, port: int, ctx: LearnerContext, options: Any,
             device: torch.device, commands: Any, errors: Any) -> None:
     """A follower rank: join the group, build its shard, then run rank 0's commands until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parent = os.getppid()
     try:
         _init_group(device, port, rank, world, options.rank_timeout_s)
-        me = _Rank(_rank_ctx(ctx, device, rank), options, rank, world)
+        me = make_rank(_rank_ctx(ctx, device, rank), options, rank, world)
         while True:
             try:
                 name, args = pickle.loads(commands.get(timeout=_POLL_S))
@@ -152,10 +228,18 @@ def _follow(rank: int, world: int, port: int, ctx: LearnerContext, options: Fsdp
         raise SystemExit(1) from None
 
 
-class FsdpLearner:
-    """LearnerBackend: rank 0 of an FSDP2 group; starts and commands ranks 1..N-1."""
+class RankGroup:
+    """LearnerBackend: rank 0 of a sharded learner's group; starts and commands ranks 1..N-1.
 
-    def __init__(self, ctx: LearnerContext, options: FsdpLearnerOptions | None = None) -> None:
+    ``make_rank`` (a picklable class or function taking ``(ctx, options,
+    rank, world)``) builds each rank's learner; FsdpLearner's is the FSDP2
+    rank, rlctl_deepspeed_learner's a DeepSpeed ZeRO rank.
+    """
+
+    make_rank: Any = _Rank
+    label = "FSDP2"
+
+    def __init__(self, ctx: LearnerContext, options: Any = None) -> None:
         self.options = options or FsdpLearnerOptions()
         self.world = self.options.world_size
         device = resolve_device(ctx.device, "train.device")
@@ -165,13 +249,13 @@ class FsdpLearner:
                               "lower world_size to the number of GPUs on this node")
         if dist.is_initialized():
             raise RoleError("this process already belongs to a torch.distributed group",
-                            "run one FSDP2 learner per process (close the previous one first)")
+                            f"run one {self.label} learner per process (close the previous one first)")
         mp = torch.multiprocessing.get_context("spawn")
         port = _free_port()
         self._errors = mp.Queue()
         self._commands = [mp.Queue() for _ in range(1, self.world)]
-        self._procs = [mp.Process(target=_follow, name=f"rlctl-fsdp-rank{r}", daemon=True,
-                                  args=(r, self.world, port, ctx, self.options, device, self._commands[r - 1],
+        self._procs = [mp.Process(target=_follow, name=f"rlctl-{self.label.lower()}-rank{r}", daemon=True,
+                                  args=(type(self).make_rank, r, self.world, port, ctx, self.options, device, self._commands[r - 1],
                                         self._errors))
                        for r in range(1, self.world)]
         self._broken: str | None = None
@@ -179,7 +263,7 @@ class FsdpLearner:
             p.start()
         try:
             _init_group(device, port, 0, self.world, self.options.rank_timeout_s)
-            self._rank = _Rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
+            self._rank = type(self).make_rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
         except Exception as err:
             self._fail("start-up", err)
         self.device = self._rank.device
@@ -190,7 +274,7 @@ class FsdpLearner:
     def _run(self, name: str, *args: Any) -> Any:
         """Run ``name`` on every rank (the followers get it first); rank 0's result."""
         if self._broken:
-            raise RoleError(f"the FSDP2 learner group is down ({self._broken})", "restart or resume the run")
+            raise RoleError(f"the {self.label} learner group is down ({self._broken})", "restart or resume the run")
         message = pickle.dumps((name, args))  # a copy, taken now: rank 0 goes on using the same tensors
         for q in self._commands:
             q.put(message)
@@ -282,3 +366,15 @@ class FsdpLearner:
     def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
         """Rank 0's own shards (what this process holds), by ledger term."""
         return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
+
+
+class FsdpLearner(RankGroup):
+    """The FSDP2 learner: a RankGroup of FSDP2 ranks, with sharded checkpoints (ShardedCheckpointLearner)."""
+
+    def save_shards(self, directory: str) -> LearnerState:
+        """Every rank writes its shard of weights and AdamW state into ``directory``; the rest of the state."""
+        return self._run("save_shards", directory)
+
+    def load_shards(self, state: LearnerState) -> None:
+        """Every rank reads its (possibly resharded) pieces from ``state.shard_dir``; the rest from ``state``."""
+        self._run("load_shards", state)

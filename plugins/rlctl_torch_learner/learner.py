@@ -240,7 +240,8 @@ class TorchLearner:
         total_seqs = float((mini.action_mask.sum(-1) > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(mini):
+        micros = list(self._micro_batches(mini))
+        for index, micro in enumerate(micros):
             fault_site("learner.alloc", rows=micro.num_sequences)
             logp, entropy = self._forward(self.model, micro, with_entropy=True)
             mask = micro.action_mask
@@ -263,7 +264,7 @@ class TorchLearner:
             n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
             share = (n_tok / max(total_tokens, 1.0)) if token_mode else (n_seq / max(total_seqs, 1.0))
             loss = fault_site("learner.loss", loss)
-            (loss * share).backward()
+            self._backward(loss * share, last=index == len(micros) - 1)
             for key in ("loss", "clip_fraction", "ratio_mean", "ratio_max", "approx_kl_behavior", "kl_ref",
                         "tis_weight_mean", "tis_truncated_frac", "is_ratio_max"):
                 if key in info:
@@ -275,6 +276,10 @@ class TorchLearner:
                     delta = (logp.detach() - micro.behavior_logprobs)[on].abs()
                     stats.setdefault("logprob_mismatch_mean", []).append(float(delta.mean()))
                     stats.setdefault("logprob_mismatch_max", []).append(float(delta.max()))
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate ``loss``'s gradients (``last``: the mini-batch's final micro-batch; a sharder reduces then)."""
+        loss.backward()
 
     def _clip_grad_norm(self) -> float:
         """Clip the trained tensors' gradients to ``grad_clip`` in place; the global norm before clipping."""

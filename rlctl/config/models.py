@@ -295,6 +295,8 @@ RESUME_MUTABLE_PATHS = (
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
     "faults",
     "cluster", "staleness.take_timeout_s",
+    # sharded learners reshard their checkpoint onto any number of ranks (rlctl.engine.shards)
+    "train.learner_options.world_size",
 )
 
 

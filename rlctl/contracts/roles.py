@@ -155,6 +155,18 @@ class LearnerMemoryTerms(Protocol):
 
 
 @runtime_checkable
+class LearnerAvailability(Protocol):
+    """A learner plugin's validated options that can say it cannot run here (optional).
+
+    ``unavailable()`` returns None when the learner can run, else why not and
+    how to fix it (e.g. an optional dependency that is not installed); the dry
+    run reports it plainly instead of planning for a learner that cannot start.
+    """
+
+    def unavailable(self) -> str | None: ...
+
+
+@runtime_checkable
 class RolloutMemoryTerms(Protocol):
     """A rollout plugin's validated options that describe its memory (see LearnerMemoryTerms)."""
 
@@ -176,6 +188,24 @@ class CheckpointableLearner(Protocol):
     def load_checkpoint_state(self, state: LearnerState) -> None:
         """Restore exactly what ``checkpoint_state`` returned; raise CheckpointError if it does not fit."""
         ...
+
+
+@runtime_checkable
+class ShardedCheckpointLearner(Protocol):
+    """A learner whose ranks each write their own shard of a checkpoint (optional, e.g. FSDP2).
+
+    ``save_shards`` is called between two steps with an empty directory inside
+    the checkpoint being written (``<checkpoint>/shards``); every rank writes
+    its files there and the call returns the rest of the state (no tensors in
+    ``weights``; ``shard_dir`` set). The checkpoint store then checksums the
+    shard files into the same COMMITTED manifest as every other file.
+    ``load_shards`` restores from a verified checkpoint's ``shard_dir``, also
+    on a different number of ranks than saved it (resharding).
+    """
+
+    def save_shards(self, directory: str) -> LearnerState: ...
+
+    def load_shards(self, state: LearnerState) -> None: ...
 
 
 @runtime_checkable
@@ -202,6 +232,10 @@ class CheckpointStore(Protocol):
 
     def save(self, state: CheckpointState) -> str:
         """Start saving ``state``; return the checkpoint's path."""
+        ...
+
+    def stage_shards(self, step: int) -> str:
+        """An empty ``shards`` directory inside step ``step``'s (uncommitted) checkpoint, for a sharded learner."""
         ...
 
     def wait(self) -> None: ...

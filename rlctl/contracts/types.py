@@ -545,6 +545,12 @@ class LearnerState:
     ``grad_scaler`` and ``rng`` are the backend's ``state_dict()`` trees: any
     tensor inside is saved with safetensors, the rest as JSON (never pickle).
     ``grad_scaler`` is None when the learner uses no loss scaling.
+
+    A sharded learner (ShardedCheckpointLearner) sets ``shard_dir``: its ranks
+    have already written the weights and optimizer tensors there, each rank its
+    own shard file (the checkpoint's ``shards/`` directory); ``weights`` is then
+    empty and ``optimizer`` holds only the tensor-free rest (param groups). On
+    load ``shard_dir`` points at the verified checkpoint's ``shards/``.
     """
 
     policy_version: int
@@ -555,6 +561,7 @@ class LearnerState:
     grad_scaler: Mapping[str, Any] | None = None
     rng: Mapping[str, Any] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)
+    shard_dir: str | None = None
 
 
 @dataclass(**_FROZEN)

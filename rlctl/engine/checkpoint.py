@@ -12,6 +12,12 @@ Layout of one checkpoint, ``<run_dir>/checkpoints/step-000123/`` (123 = complete
     shadow.safetensors         a fixed shadow batch and the log-probs it had at save time
     COMMITTED                  the manifest (CheckpointManifest): sha256 and size of every file
 
+A sharded learner's checkpoint (rlctl.engine.shards) has no model/model.safetensors:
+its ranks write ``shards/*.safetensors`` (weights and optimizer tensors, each rank
+its own piece, torch.distributed.checkpoint's safetensors layout) before the save
+starts, into the directory ``stage_shards`` hands out; the save then fsyncs,
+checksums and lists them in the same manifest. ``export_hf`` consolidates them.
+
 Commit protocol (``save``). Each file is written under its final name, fsynced,
 read back and compared with the sha256 of the bytes that were meant to be
 written. Then the directories are fsynced, the manifest is written to
@@ -77,6 +83,8 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FORMAT = 1
 REQUIRED_FILES = ("model/model.safetensors", "model/config.json", "optimizer.safetensors", "state.safetensors",
                   "state.json", "shadow.safetensors")
+SHARDS = "shards"  # a sharded learner's directory inside a checkpoint
+SHARDED_REQUIRED_FILES = tuple(f for f in REQUIRED_FILES if f != "model/model.safetensors")
 FALLBACK_HINT = "a resume falls back to the previous committed checkpoint"
 
 OnCommit = Callable[[str, CheckpointManifest], None]
@@ -135,6 +143,24 @@ class DiskCheckpointStore:
         self._thread.start()
         return str(target)
 
+    def stage_shards(self, step: int) -> str:
+        """An empty ``shards/`` inside step ``step``'s checkpoint directory, for a sharded learner's ranks.
+
+        Waits for the save in flight first. The directory stays uncommitted (and
+        is removed by ``cleanup_partial`` after a crash) until ``save`` of the
+        same step lists the shard files in its manifest.
+        """
+        self.wait()
+        target = self.root / step_dir_name(step)
+        if (target / COMMITTED).exists():
+            raise CheckpointError(f"checkpoint {target} is already committed and checkpoints are immutable",
+                                  "another rlctl process may be writing this run; stop it first")
+        if target.exists():
+            shutil.rmtree(target)
+        (target / SHARDS).mkdir(parents=True)
+        self._writing = target
+        return str(target / SHARDS)
+
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -180,14 +206,18 @@ class DiskCheckpointStore:
         committed = False
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            if target.exists():  # a partial directory left by a killed save: never committed, never read
+            shards = state.learner.shard_dir
+            if shards is not None and Path(shards) != target / SHARDS:
+                raise ValueError(f"the learner wrote its shards to {shards}, not to {target / SHARDS} "
+                                 "(stage_shards of this step)")
+            if target.exists() and shards is None:  # a partial directory left by a killed save: never read
                 shutil.rmtree(target)
             (target / "model").mkdir(parents=True)
-            files = []
+            files = [] if shards is None else _shard_files(target)
             for rel, data in _payload(state):
                 self._check_abort()
                 files.append(_write_file(target, rel, data))
-            for directory in (target / "model", target, self.root):
+            for directory in (target / "model", *([target / SHARDS] if shards else []), target, self.root):
                 fsync_path(directory)
             manifest = CheckpointManifest(
                 run_id=state.run_id, step=state.step, policy_version=state.learner.policy_version,
@@ -357,7 +387,8 @@ def read_manifest(path: str | Path) -> CheckpointManifest:
     for f in manifest.files:
         if Path(f.path).is_absolute() or ".." in Path(f.path).parts:
             raise CheckpointError(f"{COMMITTED}: file path {f.path!r} leaves the checkpoint directory", FALLBACK_HINT)
-    for required in REQUIRED_FILES:
+    sharded = any(p.startswith(SHARDS + "/") for p in listed)
+    for required in SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES:
         if required not in listed:
             raise CheckpointError(f"{COMMITTED}: does not list the required file {required}", FALLBACK_HINT)
     return manifest
@@ -398,6 +429,12 @@ def export_hf(path: str | Path, target: str | Path) -> Path:
                 if hashlib.sha256(data).hexdigest() != f.sha256:
                     raise CheckpointError(f"{f.path} changed while exporting", "retry the export")
                 _write_bytes(tmp / f.path[len("model/"):], data)
+        if any(f.path.startswith(SHARDS + "/") for f in manifest.files):  # consolidate the ranks' pieces
+            from safetensors.torch import save
+
+            from rlctl.engine.shards import read_full_model
+
+            _write_bytes(tmp / "model.safetensors", save(read_full_model(path / SHARDS), metadata={"format": "pt"}))
 
     write_dir_durably(target, fill)
     return target
@@ -413,7 +450,8 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
     from rlctl.models.tokenizer import TOKENIZER_FILES
 
     learner = state.learner
-    yield "model/model.safetensors", save(dict(learner.weights), metadata={"format": "pt"})
+    if learner.shard_dir is None:
+        yield "model/model.safetensors", save(dict(learner.weights), metadata={"format": "pt"})
     for name, text in sorted(learner.model_files.items()):
         yield f"model/{name}", text.encode()
     for name in TOKENIZER_FILES:
@@ -433,6 +471,7 @@ def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
             "optimizer": optimizer, "scheduler": state_codec.encode(learner.scheduler, "scheduler", tensors),
             "grad_scaler": state_codec.encode(learner.grad_scaler, "grad_scaler", tensors),
             "rng": state_codec.encode(learner.rng, "learner_rng", tensors), "counters": dict(learner.counters),
+            "sharded": learner.shard_dir is not None,
         },
         "rollout": state_codec.encode(state.rollout, "rollout", tensors),
         "critic": state_codec.encode(state.critic, "critic", tensors),
@@ -455,8 +494,14 @@ def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
         raise ValueError(f"state.json has format {body.get('format')!r}, expected {STATE_FORMAT}")
     tensors = {**load_file(path / "optimizer.safetensors"), **load_file(path / "state.safetensors")}
     lrn = body["learner"]
+    sharded = bool(lrn.get("sharded", False))
+    if sharded != any(f.path.startswith(SHARDS + "/") for f in manifest.files):
+        raise ValueError(f"state.json says sharded={sharded} but the manifest lists "
+                         f"{'no' if sharded else 'some'} {SHARDS}/ files")
     learner = LearnerState(
-        policy_version=int(lrn["policy_version"]), weights=load_file(path / "model" / "model.safetensors"),
+        policy_version=int(lrn["policy_version"]),
+        weights={} if sharded else load_file(path / "model" / "model.safetensors"),
+        shard_dir=str(path / SHARDS) if sharded else None,
         model_files={name: (path / "model" / name).read_text(encoding="utf-8") for name in lrn["model_files"]},
         optimizer=state_codec.decode(lrn["optimizer"], tensors),
         scheduler=state_codec.decode(lrn["scheduler"], tensors),
@@ -500,6 +545,20 @@ def _write_file(root: Path, rel: str, data: bytes) -> CheckpointFile:
     if _sha256_file(path) != digest:
         raise OSError(f"{rel} reads back differently from what was written")
     return CheckpointFile(path=rel, sha256=digest, num_bytes=len(data))
+
+
+def _shard_files(target: Path) -> list[CheckpointFile]:
+    """The files a sharded learner's ranks wrote into ``target/shards``: fsynced, sized and checksummed."""
+    found = sorted(p for p in (target / SHARDS).rglob("*") if p.is_file())
+    if not found:
+        raise ValueError(f"the learner wrote no shard files into {target / SHARDS}")
+    out = []
+    for path in found:
+        fsync_path(path)
+        rel = path.relative_to(target).as_posix()
+        crash_point("ckpt.file_written", rel)
+        out.append(CheckpointFile(path=rel, sha256=_sha256_file(path), num_bytes=path.stat().st_size))
+    return out
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

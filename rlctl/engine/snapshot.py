@@ -29,7 +29,7 @@ from rlctl.config.load import config_changes
 from rlctl.config.models import RESUME_MUTABLE_PATHS
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.roles import CheckpointableLearner, CheckpointStore, StatefulRollout
+from rlctl.contracts.roles import CheckpointableLearner, CheckpointStore, ShardedCheckpointLearner, StatefulRollout
 from rlctl.contracts.types import CheckpointState, ShadowBatch
 from rlctl.engine import state_codec
 from rlctl.engine.batching import CursorState
@@ -65,10 +65,10 @@ class StepCheckpointer:
 
     def __init__(self, session: Session, store: CheckpointStore, provenance: Provenance, *, every_steps: int,
                  total_steps: int) -> None:
-        if every_steps and not isinstance(session.learner, CheckpointableLearner):
+        if every_steps and not isinstance(session.learner, (CheckpointableLearner, ShardedCheckpointLearner)):
             raise CheckpointError(
                 f"learner backend {session.config.train.learner!r} cannot be checkpointed "
-                "(it has no checkpoint_state / load_checkpoint_state)",
+                "(it has no checkpoint_state / load_checkpoint_state, nor save_shards / load_shards)",
                 "set checkpoint.every_steps=0 to train without checkpoints, or use a learner that supports them",
             )
         self.session, self.store, self.provenance = session, store, provenance
@@ -86,7 +86,7 @@ class StepCheckpointer:
         started = time.perf_counter()
         if self._shadow is None:
             self._shadow = shadow_batch(self.session)
-        self.store.save(capture(self.session, steps_done, metrics, self.provenance, self._shadow))
+        self.store.save(capture(self.session, steps_done, metrics, self.provenance, self._shadow, self.store))
         self.blocking_s.append(time.perf_counter() - started)
 
     def close(self, abort: bool = False) -> None:
@@ -95,13 +95,25 @@ class StepCheckpointer:
 
 
 def capture(session: Session, steps_done: int, metrics: Mapping[str, float], provenance: Provenance,
-            shadow: TrainBatch) -> CheckpointState:
-    """A private copy of everything the next step depends on."""
+            shadow: TrainBatch, store: CheckpointStore | None = None) -> CheckpointState:
+    """A private copy of everything the next step depends on.
+
+    A sharded learner writes its shards now, into the store's staging
+    directory of this checkpoint (``store`` is required then); the store
+    checksums them with the other files.
+    """
     learner = session.learner
-    assert isinstance(learner, CheckpointableLearner)
+    if isinstance(learner, ShardedCheckpointLearner):
+        if store is None:
+            raise CheckpointError(f"learner backend {session.config.train.learner!r} writes sharded checkpoints "
+                                  "and needs the checkpoint store's staging directory", "pass the store to capture")
+        learner_state = learner.save_shards(store.stage_shards(steps_done))
+    else:
+        assert isinstance(learner, CheckpointableLearner)
+        learner_state = learner.checkpoint_state()
     rollout = session.rollout
     return CheckpointState(
-        step=steps_done, learner=learner.checkpoint_state(),
+        step=steps_done, learner=learner_state,
         rollout=state_codec.clone(rollout.state()) if isinstance(rollout, StatefulRollout) else None,
         cursor={"epoch": session.cursor.state.epoch, "position": session.cursor.state.position},
         rng=capture_rng(),
@@ -120,10 +132,19 @@ def capture(session: Session, steps_done: int, metrics: Mapping[str, float], pro
 def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -> RestoreReport:
     """Put ``session`` exactly where it was when ``state`` was captured (see the module docstring)."""
     learner = session.learner
-    if not isinstance(learner, CheckpointableLearner):
-        raise CheckpointError(f"learner backend {session.config.train.learner!r} cannot load a checkpoint",
+    if state.learner.shard_dir is not None:
+        if not isinstance(learner, ShardedCheckpointLearner):
+            raise CheckpointError(f"the checkpoint of step {state.step} is sharded (its ranks wrote shards/) and "
+                                  f"learner backend {session.config.train.learner!r} cannot load shards",
+                                  "resume with the sharded learner the run was trained with (any world size), or "
+                                  "`rlctl export --hf` the checkpoint and start a new run from the export")
+        learner.load_shards(state.learner)
+    elif isinstance(learner, CheckpointableLearner):
+        learner.load_checkpoint_state(state.learner)
+    else:
+        raise CheckpointError(f"learner backend {session.config.train.learner!r} cannot load a checkpoint "
+                              f"of step {state.step} (it holds full weights, not shards)",
                               "resume with the learner the run was trained with")
-    learner.load_checkpoint_state(state.learner)
     if (state.critic is None) != (session.critic is None):
         raise CheckpointError(
             "the checkpoint " + ("has no critic but this run needs one" if state.critic is None

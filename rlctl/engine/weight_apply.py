@@ -7,7 +7,8 @@ candidate against the served module before anything served changes: the same
 tensor names (none missing, none extra), the same shapes, the same dtype (or
 both floating point, then cast), tied tensors (one parameter under two names,
 e.g. embeddings and LM head) equal under both names, and the fingerprint
-of the staged state equal to the one the update announces. It returns a fully
+of the update's tensors (as sent, before any cast to the served dtype) equal
+to the one the update announces. It returns a fully
 built state in fresh tensors. ``swap_in`` then points every parameter and
 buffer at its staged tensor: nothing can fail half way, and the served
 weights are either all old or all new.
@@ -87,11 +88,14 @@ def stage_update(module: torch.nn.Module, update: WeightUpdate) -> tuple[dict[st
                 raise RoleError(f"{what}: {group[0]} and {other} are one tied tensor in the served model but "
                                 "differ in the update", _HINT)
             staged[other] = first
-    got = fingerprint(staged)
-    if got != update.fingerprint:
-        raise RoleError(f"{what} fingerprint mismatch ({got} != {update.fingerprint})",
+    # the fingerprint covers the tensors as the sender announced them (a bf16 learner's update served by an fp32
+    # engine is cast after the check); the served fingerprint is that of what is served
+    sent = fingerprint({name: update.state_dict[name] for name in served})
+    if sent != update.fingerprint:
+        raise RoleError(f"{what} fingerprint mismatch ({sent} != {update.fingerprint})",
                         "the weights changed in transit; the served weights are unchanged; republish")
-    return staged, got
+    cast = any(staged[name].dtype != update.state_dict[name].dtype for name in served)
+    return staged, fingerprint(staged) if cast else sent
 
 
 def swap_in(module: torch.nn.Module, staged: Mapping[str, torch.Tensor]) -> None:

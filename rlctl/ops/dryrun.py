@@ -246,7 +246,8 @@ def role_memory(config: RunConfig, plugins: Plugins, *, gpu_plan: bool) -> RoleM
 
 
 def sharding_learners(plugins: Plugins, stage: int) -> list[str]:
-    """Installed learner backends whose default options shard at ``stage`` (as their memory terms say)."""
+    """Installed learner backends that shard at ``stage``: by their default memory terms, or any stage their
+    options' optional ``zero_stages()`` lists (a learner whose stage is an option)."""
     from rlctl.contracts.roles import LearnerMemoryTerms
 
     out = []
@@ -256,7 +257,10 @@ def sharding_learners(plugins: Plugins, stage: int) -> list[str]:
             opts = model() if model is not None else None
         except Exception:  # options without defaults cannot be judged here
             continue
-        if isinstance(opts, LearnerMemoryTerms) and opts.memory_terms(gpu_plan=True).zero_stage == stage:
+        if not isinstance(opts, LearnerMemoryTerms):
+            continue
+        stages = opts.zero_stages() if callable(getattr(opts, "zero_stages", None)) else ()
+        if stage in stages or opts.memory_terms(gpu_plan=True).zero_stage == stage:
             out.append(name)
     return out
 
@@ -265,14 +269,40 @@ def _stage_label(stage: int) -> str:
     return {0: "no sharding", 3: "ZeRO-3 / FSDP full shard"}.get(stage, f"ZeRO-{stage}")
 
 
+def learner_unavailable(plugins: Plugins, name: str, options: Any = None) -> str | None:
+    """Why learner plugin ``name`` cannot run here (e.g. its optional dependency is missing), or None."""
+    from rlctl.contracts.roles import LearnerAvailability
+
+    if options is None:
+        model = plugins.get("learner_backend", name).options
+        try:
+            options = model() if model is not None else None
+        except Exception:
+            return None
+    return options.unavailable() if isinstance(options, LearnerAvailability) else None
+
+
 def learner_notes(config: RunConfig, plugins: Plugins, roles: RoleMemory, stage: int) -> list[str]:
     """Which learner plugin and sharding the ledger assumes, and whether a learner that shards so is installed."""
+    from rlctl.config.load import validate_options
+
     name = config.train.learner
     own = roles.learner.zero_stage
     notes = [f"learner: {name!r} ({_stage_label(own)})"]
+    try:
+        options = validate_options(plugins.get("learner_backend", name).options, config.train.learner_options,
+                                   "train.learner_options")
+    except Exception:
+        options = None
+    missing = learner_unavailable(plugins, name, options) if options is not None else None
+    if missing:
+        notes.append(f"learner {name!r} cannot run in this environment: {missing}")
     if stage != own:
         providers = sharding_learners(plugins, stage)
-        where = (f"installed learner(s) that do: {', '.join(providers)} (set train.learner: {providers[0]})"
+        ready = [p for p in providers if not learner_unavailable(plugins, p)]
+        shown = [p if p in ready else f"{p} (not runnable here: {learner_unavailable(plugins, p)})" for p in providers]
+        first = (ready or providers or [""])[0]
+        where = (f"installed learner(s) that do: {', '.join(shown)} (set train.learner: {first})"
                  if providers else "no installed learner plugin does (rlctl plugins list shows the learners)")
         notes.append(f"the ledger models {_stage_label(stage)} (--zero-stage), which learner {name!r} does not do; "
                      + where)

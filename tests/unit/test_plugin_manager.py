@@ -26,7 +26,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 BUILTINS = {
     "task_source": ["arith", "hf_disk", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang"],
-    "learner_backend": ["fsdp2", "torch"],
+    "learner_backend": ["deepspeed", "fsdp2", "torch"],
     "critic_backend": ["torch"],
     "reward_function": ["code", "format", "length", "math", "reward_model"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
@@ -40,6 +40,7 @@ BUILTIN_PLUGINS = {
     "sglang": {"rollout backend": ("sglang",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
     "fsdp_learner": {"learner backend": ("fsdp2",)},
+    "deepspeed_learner": {"learner backend": ("deepspeed",)},
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
     "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "oom", "slow-rollout", "verifier-error",
@@ -142,7 +143,7 @@ def test_builtins_build(tmp_path: Path) -> None:
         ("rollout_backend", "loacl", "local", "local, sglang"),
         ("reward_function", "maht", "math", "code, format, length, math, reward_model"),
         ("task_source", "jsnol", "jsonl", "arith, hf_disk, jsonl, parquet"),
-        ("learner_backend", "torhc", "torch", "fsdp2, torch"),
+        ("learner_backend", "torhc", "torch", "deepspeed, fsdp2, torch"),
     ],
 )
 def test_unknown_name_lists_installed_and_suggests_closest(kind: str, typo: str, suggestion: str,

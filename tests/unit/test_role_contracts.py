@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from rlctl import WeightUpdate, hookimpl
-from rlctl.contracts.roles import CheckpointableLearner, LearnerBackend, RolloutBackend, StatefulRollout
+from rlctl.contracts.roles import (
+    CheckpointableLearner,
+    LearnerBackend,
+    RolloutBackend,
+    ShardedCheckpointLearner,
+    StatefulRollout,
+)
 from tests.conftest import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +45,7 @@ def protocol_members(*protocols: type) -> set[str]:
     return names
 
 
-LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner)
+LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner)
 ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout)
 
 
@@ -198,7 +204,8 @@ def recorder(inner: Any, members: set[str], seen: set[str]) -> Any:
         seen.add(name)
         return getattr(inner, name)
 
-    namespace: dict[str, Any] = {name: forward(name) for name in members}
+    # only what the backend has, so optional protocols (isinstance) see the backend's own shape
+    namespace: dict[str, Any] = {name: forward(name) for name in members if hasattr(inner, name)}
     namespace["__getattr__"] = other
     return type(f"Recorded{type(inner).__name__}", (), namespace)()
 

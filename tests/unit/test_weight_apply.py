@@ -168,3 +168,20 @@ def test_every_receiver_refuses_a_mismatched_version_whole(engine, tmp_path: Pat
         assert engine.policy_version == 9 and engine.health()["fingerprint"] == fingerprint(good)
     finally:
         cleanup()
+
+
+def test_a_bf16_update_is_checked_as_sent_then_served_cast_to_the_engines_fp32(engine):
+    """A bf16 learner publishes bf16 weights; the fp32 engine verifies the fingerprint of what was sent, then
+    serves the fp32 cast (this failed the bf16 quickstart with a fingerprint mismatch before)."""
+    sent = {k: (v.detach() * 1.01).to(torch.bfloat16) for k, v in engine.state_dict().items()}
+    before, fp, version = _snapshot(engine), engine.health()["fingerprint"], engine.policy_version
+    tampered = dict(sent)
+    name = next(k for k in sorted(tampered) if ".layers." in k)
+    tampered[name] = tampered[name] + 1
+    with pytest.raises(RoleError, match="fingerprint mismatch"):
+        engine.update_weights(WeightUpdate(version=1, state_dict=tampered, fingerprint=fingerprint(sent)))
+    _unchanged(engine, before, fp, version)
+    engine.update_weights(WeightUpdate(version=1, state_dict=sent, fingerprint=fingerprint(sent)))
+    served = engine.state_dict()
+    assert all(served[k].dtype == torch.float32 and torch.equal(served[k], v.float()) for k, v in sent.items())
+    assert engine.policy_version == 1 and engine.health()["fingerprint"] == fingerprint(served)

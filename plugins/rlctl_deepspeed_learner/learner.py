@@ -1,0 +1,196 @@
+"""The DeepSpeed learner: one policy under ZeRO-1/2/3 over a group of processes that rlctl starts itself.
+
+What this is: a LearnerBackend driven like the FSDP2 learner (rank 0 is the
+training process, ranks 1..N-1 are spawned followers running its commands, a
+dead rank is a RoleError naming it; the group machinery is
+rlctl_fsdp_learner's). Each rank loads the policy in fp32, builds the torch
+learner's AdamW over it (a client optimizer: no fused-Adam JIT) and hands both
+to ``deepspeed.initialize`` with ZeRO stage 1, 2 or 3. The update maths is the
+torch learner's (``_Rank`` subclasses ``TorchLearner``): PPO epochs x
+mini-batches x micro-batch accumulation, each micro-batch's backward through
+the engine with the accumulation boundary on the last one, DeepSpeed's
+gradient clipping by the global norm across shards, and DeepSpeed's skip of a
+step whose gradient norm is not finite (counted like the torch learner's).
+Every rank runs the same rows, so the result equals the single-process
+learner's.
+
+Weights for publishing and ``save_pretrained``: under ZeRO-3 the parameters
+are gathered (``deepspeed.zero.GatheredParameters``) and rank 0 copies them to
+the CPU. Precision: ``bfloat16`` enables DeepSpeed's bf16 mode (bf16
+parameters for compute, fp32 master weights and fp32 AdamW moments in the
+ZeRO optimizer).
+
+On CPU DeepSpeed picks its CPU accelerator and gloo. Its first process-group
+init JIT-compiles a small shared-memory op (about 40 s on 2 cores); the build
+is cached in ``TORCH_EXTENSIONS_DIR`` (default here: ``$RLCTL_HOME/cache/torch_extensions``).
+
+What this is not: checkpointable (``checkpoint.every_steps`` must be 0; the
+FSDP2 learner has sharded checkpoints) or data parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Mapping
+
+import torch
+
+from rlctl import WeightUpdate
+from rlctl.contracts.types import LearnerContext
+from rlctl.models.fingerprint import fingerprint
+from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
+from rlctl_fsdp_learner.learner import RankGroup
+from rlctl_torch_learner.learner import TorchLearner
+from rlctl_torch_learner.options import TorchLearnerOptions
+
+
+def _quiet_environment() -> None:
+    """Cache DeepSpeed's JIT ops inside rlctl's home, pick the CPU accelerator without CUDA, and keep logs short."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        home = os.path.expanduser(os.environ.get("RLCTL_HOME") or "~/.rlctl")
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(home, "cache", "torch_extensions")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _forget_previous_groups() -> None:
+    """Drop DeepSpeed's module-level caches of process groups from an earlier learner in this process.
+
+    DeepSpeed keeps the world / data-parallel groups it derived in globals; after
+    that learner's group was destroyed they name a dead group, and a second
+    learner in the same process (a restart, a test) would fail with "Group ...
+    is not registered". Nothing else in the process uses them.
+    """
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+
+
+class _Rank(TorchLearner):
+    """One rank's share: the torch learner's update through a DeepSpeed ZeRO engine."""
+
+    def __init__(self, ctx: LearnerContext, options: DeepSpeedLearnerOptions, rank: int, world: int) -> None:
+        _quiet_environment()
+        import logging
+
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed reads the launcher's variables; the group itself is already up (rlctl_fsdp_learner._init_group)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        _forget_previous_groups()
+        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False,
+                                                  gradient_checkpointing=options.gradient_checkpointing))
+        if rank != 0:
+            self.reference = None  # reference log-probs are computed by rank 0 alone
+        self.stage = options.zero_stage
+        config = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": options.zero_stage},
+            "gradient_clipping": float(ctx.optim.grad_clip),
+            "zero_allow_untested_optimizer": True,  # the torch AdamW, so no fused-op JIT on CPU
+            "bf16": {"enabled": options.dtype == "bfloat16"},
+            "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
+        }
+        # DeepSpeed prints its op builds to stdout; rlctl's stdout is the --json report, so send them to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config,
+                                                   dist_init_required=False)
+        self.model = self.engine.module
+
+    # the engine owns the forward (ZeRO-3 counts micro-steps there), gradient reduction, clipping and the step
+    def _forward(self, model: Any, batch: Any, with_entropy: bool = False):
+        return super()._forward(self.engine if model is self.model else model, batch, with_entropy)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss)
+
+    def _mini_batch_step(self, mini: Any, kl_in_loss: bool, first: bool, stats: dict[str, list[float]]) -> bool:
+        attempt: dict[str, list[float]] = {}
+        self._accumulate(mini, kl_in_loss, first, attempt)
+        for key, values in attempt.items():
+            stats.setdefault(key, []).extend(values)
+        self.engine.step()  # clips by the global norm across shards; skips (no change) when it is not finite
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float("nan") if norm is None else float(norm)
+        stats.setdefault("grad_norm", []).append(grad_norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.nan_skips += 1
+            return False
+        self.scheduler.step()
+        return True
+
+    def _trained(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def _gathered(self):
+        import deepspeed
+
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32-or-bf16 weights on the CPU, gathered under ZeRO-3 (a collective); every rank returns them."""
+        with self._gathered():
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save_full(self, directory: str) -> None:
+        import torch.distributed as dist
+
+        state = self.full_state()
+        if dist.get_rank() == 0:
+            own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+            self.model.save_pretrained(directory, state_dict={k: v for k, v in state.items() if k in own})
+
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        """This rank's partitions: parameters (ZeRO-3: its slice), and the ZeRO optimizer's fp32 state."""
+        params = [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
+        inner = self.engine.optimizer
+        inner = getattr(inner, "optimizer", inner)
+        out = {"policy parameters": params,
+               "policy optimizer states": [t for st in inner.state.values() for t in st.values()
+                                           if isinstance(t, torch.Tensor) and t.dim() > 0]}
+        if self.reference is not None:
+            out["reference parameters"] = list(self.reference.parameters())
+        return out
+
+    def optimizer_state_dtypes(self) -> dict[str, set[torch.dtype]]:
+        """Dtypes of the ZeRO optimizer's master partitions and AdamW moments (what bf16 mode must keep fp32)."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        masters = {p.dtype for g in inner.param_groups for p in g["params"]}
+        moments = {t.dtype for st in inner.state.values() for k, t in st.items()
+                   if isinstance(t, torch.Tensor) and k.startswith("exp_avg")}
+        return {"master": masters, "moments": moments,
+                "compute": {p.dtype for p in self.model.parameters()}}
+
+
+class DeepSpeedLearner(RankGroup):
+    """LearnerBackend: rank 0 of a DeepSpeed ZeRO group; starts and commands ranks 1..N-1."""
+
+    make_rank = _Rank
+    label = "DeepSpeed"
+
+    def __init__(self, ctx: LearnerContext, options: DeepSpeedLearnerOptions | None = None) -> None:
+        _quiet_environment()  # before the followers are spawned: they inherit it
+        super().__init__(ctx, options or DeepSpeedLearnerOptions())
+
+    def export_weights(self) -> WeightUpdate:
+        state = self._run("full_state")
+        return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
+
+    def optimizer_state_dtypes(self) -> dict[str, set[torch.dtype]]:
+        return self._rank.optimizer_state_dtypes()
+
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        return self._rank.resident_tensors()

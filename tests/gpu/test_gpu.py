@@ -1,0 +1,104 @@
+"""GPU checks (marked ``gpu``; CI has no GPU and deselects them). Run them with ``tests/gpu/run.sh``.
+
+- cuda placement: the learner's parameters and the local engine's weights
+  live on the GPU, and the rollout/learner log-probs still reconcile (fp32 on
+  GPU: <= 1e-3, since cuBLAS may reorder reductions);
+- bf16 on GPU: bf16 parameters, fp32 master weights and AdamW moments, the
+  reconciliation within the CPU bf16 tolerance (tests/unit/test_bf16.py);
+- FSDP2 with NCCL on one GPU: train, sharded checkpoint through the commit
+  protocol, reload bitwise, consolidated export.
+
+Tiny models built from a config with random weights: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlctl.config.load import load_config
+from tests.conftest import TINY_OVERRIDES
+from tests.helpers import rollout_batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GPU = ["train.device=cuda", "rollout.options.device=cuda"]
+
+
+def _session(plugins, home, *extra):
+    from rlctl.engine.session import build_session
+
+    return build_session(load_config(None, TINY_OVERRIDES + GPU + list(extra)), plugins, home / "cache")
+
+
+def _mismatch(session, batch) -> float:
+    mask = batch.action_mask > 0
+    return float((session.learner.logprobs(batch) - batch.behavior_logprobs)[mask].abs().max())
+
+
+def test_cuda_placement_and_fp32_reconciliation(plugins, _rlctl_home, tiny_policy_dir):
+    session = _session(plugins, _rlctl_home)
+    try:
+        assert {p.device.type for p in session.learner.model.parameters()} == {"cuda"}
+        held = session.rollout.resident_tensors()
+        assert held and all(t.device.type == "cuda" for ts in held.values() for t in ts)
+        _, batch = rollout_batch(session, advantages=[1.0, -1.0] * 8)
+        assert _mismatch(session, batch) <= 1e-3
+        stats = session.learner.train_step(batch)
+        assert stats["grad_norm"] == stats["grad_norm"] and session.learner.policy_version == 1
+    finally:
+        session.rollout.close()
+
+
+def test_bf16_on_gpu_keeps_fp32_optimizer_state(plugins, _rlctl_home, tiny_policy_dir):
+    from tests.unit.test_bf16 import BF16_MAX
+
+    session = _session(plugins, _rlctl_home, "train.learner_options.dtype=bfloat16")
+    try:
+        learner = session.learner
+        assert {p.dtype for p in learner.model.parameters()} == {torch.bfloat16}
+        _, batch = rollout_batch(session, advantages=[1.0, -1.0] * 8)
+        assert _mismatch(session, batch) <= BF16_MAX
+        learner.train_step(batch)
+        trained = [p for g in learner.optimizer.param_groups for p in g["params"]]
+        assert {p.dtype for p in trained} == {torch.float32} and {p.device.type for p in trained} == {"cuda"}
+        moments = {t.dtype for s in learner.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")}
+        assert moments == {torch.float32}
+    finally:
+        session.rollout.close()
+
+
+def test_fsdp2_with_nccl_on_one_gpu_trains_checkpoints_and_exports(plugins, _rlctl_home, tiny_policy_dir, tmp_path):
+    import torch.distributed as dist
+
+    from rlctl.contracts.types import LearnerContext
+    from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint
+    from rlctl_fsdp_learner.learner import FsdpLearner
+    from rlctl_fsdp_learner.options import FsdpLearnerOptions
+    from tests.unit.test_fsdp_checkpoint import _commit
+
+    session = _session(plugins, _rlctl_home)
+    cfg = session.config
+    ctx = LearnerContext(model_dir=str(session.policy_dir), algo=cfg.algo, optim=cfg.train.optim, seed=0,
+                         max_response_tokens=cfg.rollout.max_tokens, device="cuda")
+    batch = rollout_batch(session, advantages=[1.0, -1.0] * 8)[1]
+    store = DiskCheckpointStore(tmp_path / "ckpt", async_save=False)
+    learner = FsdpLearner(ctx, FsdpLearnerOptions(world_size=1, dtype="bfloat16"))
+    try:
+        assert "nccl" in str(dist.get_backend())
+        for _ in range(2):
+            learner.train_step(batch)
+        path = _commit(store, learner, 2, session)
+        saved = learner.export_weights().state_dict
+    finally:
+        learner.close()
+    again = FsdpLearner(ctx, FsdpLearnerOptions(world_size=1, dtype="bfloat16"))
+    try:
+        again.load_shards(load_checkpoint(path).learner)
+        got = again.export_weights().state_dict
+        assert all(torch.equal(got[k], v) for k, v in saved.items())
+    finally:
+        again.close()
+        session.rollout.close()
+    assert (export_hf(path, tmp_path / "hf") / "model.safetensors").is_file()
