@@ -19,9 +19,11 @@ step proceeds once that share of its B groups is ready; the groups still in
 flight carry over to a later step (oldest first), each with the policy version
 it was generated under, so the Δv bound applies to them as to any other.
 
-Failures: a worker whose ``generate`` raises ``WorkerLost`` has its in-flight
-prompts released and claimed again (by any worker); it is restarted and loads
-the current weights before it serves again. A learner that raises
+Failures: a worker whose ``generate`` raises ``WorkerLost`` (the local
+placement maps a backend's RolloutUnavailable / RuntimeError / OSError to it,
+the Ray placement a dead actor) has its in-flight prompts released and claimed
+again (by any worker); after a short backoff it is restarted and loads the
+current weights before it serves again. A learner that raises
 ``LearnerLost`` is recovered through ``recover`` (restore the newest
 checkpoint, including the queue cursor) and training continues from that
 step; the trajectory ledger records the rewind so an audit can rebuild the
