@@ -20,7 +20,9 @@ SGLang (``python -m sglang.launch_server``) or ``rlctl serve rollout``:
   server reporting another version (restarted, or it missed an update) is
   resynced with a full copy of the current version before it gets work, and
   an answer tagged with a stale version is discarded and regenerated. An
-  unreachable server's prompts go, group by group, to the next healthy one.
+  unreachable server's prompts go, group by group, to the next healthy one;
+  when none is left, generate raises ``RolloutUnavailable`` (the overlapped
+  driver re-queues the prompts and restarts the worker).
 
 Logprobs: real SGLang returns log_softmax(logits / T) before top-k / top-p,
 while rlctl's learner recomputes logprobs under the truncated distribution, so
@@ -45,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
+from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
 from rlctl.engine.transports.disk import DiskTransport
 from rlctl.engine.weight_sync import Broadcaster, PublishReport, SyncOptions, await_confirmation
@@ -213,9 +215,9 @@ class SGLangRollout:
                 if not (isinstance(error, ServerError) and error.unreachable):
                     raise error
                 ready = [r for r in ready if r != i]  # move this server's groups, whole, to others
-                if not ready:
-                    raise RoleError(f"no rollout server is reachable (last: {error})",
-                                    "start the servers again; rlctl resyncs them to the current version")
+                if not ready:  # the overlapped driver re-queues these prompts and restarts this worker
+                    raise RolloutUnavailable(f"no rollout server is reachable (last: {error})",
+                                             "start the servers again; rlctl resyncs them to the current version")
                 for k in pending[i]:
                     retry.setdefault(self._route(requests[k].prompt_id, ready), []).append(k)
             pending = retry
@@ -254,8 +256,8 @@ class SGLangRollout:
         if home in ready:
             return home
         if not ready:
-            raise RoleError("no rollout server serves the current weight version",
-                            "start the servers (rlctl resyncs them on the next step)")
+            raise RolloutUnavailable("no rollout server serves the current weight version",
+                                     "start the servers (rlctl resyncs them on the next step)")
         return ready[h % len(ready)]
 
     def _check_logprob_semantics(self, requests: Sequence[RolloutRequest], ready: Sequence[int]) -> None:
