@@ -25,7 +25,9 @@ SGLang (``python -m sglang.launch_server``) or ``rlctl serve rollout``:
   crashed) the step waits, probing with backoff, up to ``reconnect_timeout_s``;
   a server that comes back is fenced (it serves only after it confirms the
   current version, resynced if needed) and the groups of the failed call are
-  sent again whole, so no group is generated twice into the batch.
+  sent again whole, so no group is generated twice into the batch. Past the
+  timeout generate raises ``RolloutUnavailable`` (the overlapped driver
+  re-queues the prompts and restarts the worker; the synchronous loop stops).
 - a weight publish that fails (a shard write error, or a version a server
   refuses because its checksum does not match) is written again and resent,
   within the retry bound; the server keeps serving its previous version
@@ -59,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
+from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.engine.transports.disk import DiskTransport
@@ -307,7 +309,7 @@ class SGLangRollout:
                 report_recovery("rollout_server_lost", f"{self.clients[i].url} unreachable during generate "
                                 f"({error}); its {len(pending[i])} prompt group(s) are generated again, whole",
                                 {"server": self.clients[i].url, "groups": len(pending[i])})
-                if not ready:
+                if not ready:  # wait for one to come back; past reconnect_timeout_s: RolloutUnavailable
                     ready = self._await_reachable(str(error))
                 for k in pending[i]:
                     retry.setdefault(self._route(requests[k].prompt_id, ready), []).append(k)
@@ -329,7 +331,7 @@ class SGLangRollout:
         while True:
             waited = time.monotonic() - started
             if waited >= self.options.reconnect_timeout_s:
-                raise RoleError(f"no rollout server of {urls} reachable for {waited:.0f}s (first: {why})",
+                raise RolloutUnavailable(f"no rollout server of {urls} reachable for {waited:.0f}s (first: {why})",
                                 "start the servers or fix the network, then `rlctl resume`; see `rlctl runbook show "
                                 "network-partition`")
             time.sleep(min(delay, max(0.0, self.options.reconnect_timeout_s - waited)))
@@ -370,8 +372,8 @@ class SGLangRollout:
         if home in ready:
             return home
         if not ready:
-            raise RoleError("no rollout server serves the current weight version",
-                            "start the servers (rlctl resyncs them on the next step)")
+            raise RolloutUnavailable("no rollout server serves the current weight version",
+                                     "start the servers (rlctl resyncs them on the next step)")
         return ready[h % len(ready)]
 
     def _check_logprob_semantics(self, requests: Sequence[RolloutRequest], ready: Sequence[int]) -> None:
