@@ -28,6 +28,9 @@ class SGLangOptions(BaseModel):
     retries: int = Field(3, ge=0, description="Bounded retries for weight-sync confirmation, resync and generate; "
                          "past them the step fails with an error naming the server.")
     retry_backoff_s: float = Field(0.5, ge=0, description="Delay before the first retry; doubles each retry.")
+    reconnect_timeout_s: float = Field(120.0, gt=0, description="When no server is reachable (a partition, a "
+                                       "crashed server), the step waits this long for one to come back (probing with "
+                                       "backoff, resyncing it before it serves), then fails naming the servers.")
     publish_dir: str | None = Field(None, description="Directory for published weight versions; every server must "
                                     "read it at the same path (shared disk). Default: a fresh temp dir on this host.")
     weight_sync: Literal["disk"] = Field("disk", description="How weights reach the servers: 'disk' publishes a "

@@ -43,6 +43,7 @@ from rlctl.contracts.types import (
     WeightUpdate,
 )
 from rlctl.engine.async_loop import LearnerLost, WorkerLost
+from rlctl.engine.faults import fault_site
 
 _LOST = (RayActorError, ActorUnavailableError)
 READY_TIMEOUT_S = 600.0  # a restarting actor imports torch and loads its model; shared CPUs are slow
@@ -212,6 +213,7 @@ class RayWorker:
         self._ref: tuple[int, str, Any] | None = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        fault_site("rollout.worker", worker=self)  # a worker crash (injected: SIGKILL of this actor's process)
         try:
             return ray.get(self.actor.generate.remote(list(requests)))
         except _LOST as err:

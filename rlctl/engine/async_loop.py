@@ -250,7 +250,8 @@ class AsyncDriver:
         self.counters = _Counters()
         self._claim_lock = threading.Lock()
         self._score_lock = threading.Lock()
-        self._requeue: deque[int] = deque()
+        self._requeue: deque[int] = deque()  # keys to reserve again (lost in flight before a resume)
+        self._handback: deque[int] = deque()  # keys a dead worker gave back: still reserved, generated next
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -277,9 +278,17 @@ class AsyncDriver:
         self._requeue.extend(sorted(set(range(self._next_key)) - known))
 
     def _claim(self) -> list[int]:
-        """Up to ``chunk`` admitted keys, re-queued ones first; returns [] when stopping."""
+        """Up to ``chunk`` admitted keys, re-queued ones first; [] when none was admitted within 0.2 s or stopping.
+
+        The claim lock is never held across more than one wait: while one
+        producer waits at the admission gate, another whose worker died must
+        be able to give its keys back (holding the lock through the wait
+        deadlocked the two when the gate waited for exactly those keys).
+        """
         keys: list[int] = []
         with self._claim_lock:
+            while self._handback and len(keys) < self.chunk:
+                keys.append(self._handback.popleft())
             while len(keys) < self.chunk and not self._stop.is_set():
                 key = self._requeue[0] if self._requeue else self._next_key
                 waited = time.monotonic()
@@ -288,9 +297,7 @@ class AsyncDriver:
                 except QueueTimeout:
                     with self.counters.lock:
                         self.counters.rollout_wait_s += time.monotonic() - waited
-                    if keys:
-                        break
-                    continue
+                    break  # let go of the lock: a producer whose worker died must give its keys back
                 except QueueError:
                     break
                 with self.counters.lock:
@@ -347,10 +354,10 @@ class AsyncDriver:
                 self.queue.close()
 
     def _give_back(self, keys: Sequence[int]) -> None:
+        """A dead worker's keys go to the next claim; they stay reserved, so the learner keeps waiting for them
+        (released, a take could find every key below its batch resolved and return a short or empty batch)."""
         with self._claim_lock:
-            for key in keys:
-                self.queue.release(key)
-            self._requeue.extendleft(sorted(keys, reverse=True))
+            self._handback.extendleft(sorted(keys, reverse=True))
         with self.counters.lock:
             self.counters.requeued += len(keys)
 
@@ -417,7 +424,7 @@ class AsyncDriver:
         finally:
             self.stop()
             with self._claim_lock:
-                in_flight = sorted(set(self.queue.reserved_keys()) | set(self._requeue))
+                in_flight = sorted(set(self.queue.reserved_keys()) | set(self._requeue) | set(self._handback))
             self.ledger.write({"end": step, "cursor": self.queue.cursor(), "in_flight": in_flight})
             self.ledger.close()
         return metrics
