@@ -166,9 +166,9 @@ def test_watchdog_reports_role_phase_and_stack_instead_of_hanging(_rlctl_home, t
 
     started = time.monotonic()
     err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang", "faults.watchdog_timeout_s=1",
-                               "faults.inject=[{kind: slow-rollout, at_step: 1, options: {delay_s: 60}}]",
+                               "faults.inject=[{kind: slow-rollout, at_step: 1, options: {delay_s: 600}}]",
                                expect_error=True)
-    assert time.monotonic() - started < 40
+    assert time.monotonic() - started < 150  # far below the 600 s straggler, with slack for a loaded machine
     assert isinstance(err, HangError) and "runbook show hang" in str(err)
     [hang] = _events(reg, run_dir, "hang")
     assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("rollout", "generate", 1)
