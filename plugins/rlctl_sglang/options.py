@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
+from rlctl.serve.client import server_urls
 
 
 class SGLangOptions(BaseModel):
@@ -46,14 +47,7 @@ class SGLangOptions(BaseModel):
     @field_validator("servers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"server {url!r} must be an http(s) URL such as http://127.0.0.1:30000")
-            out.append(url.rstrip("/"))
-        if len(set(out)) != len(out):
-            raise ValueError("a server is listed twice in rollout.options.servers; list each once")
-        return out
+        return server_urls(urls, key="rollout.options.servers", example="http://127.0.0.1:30000")
 
     @model_validator(mode="after")
     def _delta_encoding(self) -> "SGLangOptions":
