@@ -1,26 +1,32 @@
 """Benchmark: sync vs one-step-off vs async GRPO at an equal prompt budget, with predicted vs measured staleness.
 
-Run:  OMP_NUM_THREADS=1 python bench/async_vs_sync.py [--steps 16] [--workload quickstart,longtail]
-      [--placement local] [--modes sync,one_step_off,async1,async2] [--hidden 200]
+Run:  OMP_NUM_THREADS=1 python bench/async_vs_sync.py [--steps 12] [--workload quickstart,longtail]
+      [--shapes 128x4,256x6] [--placement local|ray] [--pin] [--modes sync,one_step_off,async1,async2]
+      [--workers 2] [--chunk N] [--repeats 3] [--hidden 200] [--set staleness.partial_fraction=0.75]
 
-Setup: the quickstart config (built-in tiny model warm-started for ``--warm-start-steps`` SFT steps, cached
-under RLCTL_HOME), B prompts x G samples per step, ``--steps`` steps per mode, so every mode samples the same
-number of responses (the generated-token budget is equal up to the sampled lengths, printed per row).
-Workloads: ``quickstart`` (responses of a few tokens) and ``longtail`` (the local engine's
-``length_tail_alpha`` option keeps each row decoding to a Pareto(alpha)-distributed length, capped at
-``--tail-max-tokens``: real decode work with a heavy tail; the trained responses are unchanged).
+Setup: the quickstart config (built-in model of each ``--shapes`` entry, hidden size x layers, warm-started
+for ``--warm-start-steps`` SFT steps and cached under RLCTL_HOME), B prompts x G samples per step, ``--steps``
+steps per mode, so every mode samples the same number of responses (the generated-token budget is equal up
+to the sampled lengths). Workloads: ``quickstart`` (responses of a few tokens) and ``longtail`` (the local
+engine's ``length_tail_alpha`` option keeps each row decoding to a Pareto(alpha)-distributed length, capped
+at ``--tail-max-tokens``: real decode work with a heavy tail; the trained responses are unchanged).
 
-Modes: ``sync`` is today's loop (rlctl.engine.loop.run_sync, the baseline); the others run the overlapped
-driver (rlctl.engine.async_loop) with ``cluster.num_rollout_workers`` threads (``--placement local``) or Ray
+Modes: ``sync`` is the plain loop (rlctl.engine.loop.run_sync, the baseline, one engine); the others run the
+overlapped driver (rlctl.engine.async_loop) with ``--workers`` rollout threads (``--placement local``) or Ray
 actors (``--placement ray``): ``one_step_off``, ``async1`` (async, max_staleness 1), ``async2`` (2).
+``--pin`` pins the learner side (the driver's main thread, or the learner actor) to CPU 0 and every rollout
+worker (thread or actor process) to CPU 1 from the first step on, and sync's single thread to CPU 0: the
+two sides then never compete for one core (other processes on the machine still may).
 
-Columns: wall time of the training loop (model building excluded), trained response tokens per second of
-wall time (every mode trains steps x B x G responses), effective tokens/s (those of samples with a non-zero
-advantage; the long-tail padding decoded after a response ended is work, not tokens, and is in neither), hidden pass@1 (greedy, ``--hidden`` prompts) and its
-paired-bootstrap 95% CI of the difference to sync, mean and P95 measured Δv, and the staleness simulator's
-prediction (rlctl.ops.staleness, fed with the sync run's own T_r / T_l / T_s and lengths). Ratios are to the
-sync row of the same workload, measured in the same invocation. One run per mode (not a median over
-repeats): on a shared 2-core machine expect run-to-run noise of 10-20%.
+Columns: median seconds per training step over the ``--repeats`` runs (interleaved across modes; each run's
+median over its steps 1..;
+step 0 includes thread / actor start-up) and its ratio to sync (> 1 = faster), the median run wall time of
+the loop, trained and effective response tokens per second of step time, hidden pass@1 (greedy,
+``--hidden`` prompts, first repeat) with the paired-bootstrap 95% CI of the difference to sync, measured
+mean Δv, and the staleness simulator's predictions (rlctl.ops.staleness, fed with the sync run's own
+T_r / T_l / T_s, processor sharing over the placement's cores): speedup over sync and mean Δv, with how far
+the Δv prediction misses. Ratios are to the sync row of the same workload and shape,
+measured in the same invocation.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,13 +49,19 @@ MODES = {"sync": ("sync", 0), "one_step_off": ("one_step_off", 1), "async1": ("a
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=16, help="B")
     p.add_argument("--group", type=int, default=8, help="G")
     p.add_argument("--workers", type=int, default=2, help="rollout workers of the overlapped modes")
+    p.add_argument("--chunk", type=int, default=None, help="prompts per worker call (staleness.rollout_chunk)")
     p.add_argument("--workload", default="quickstart,longtail")
+    p.add_argument("--shapes", default="128x4", help="model shapes, hidden_size x num_layers, comma-separated")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--placement", default="local", choices=("local", "ray"))
+    p.add_argument("--pin", action="store_true", help="learner side on CPU 0, rollout side on CPU 1")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the overlapped modes, e.g. staleness.partial_fraction=0.75")
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode; the table shows medians")
     p.add_argument("--tail-alpha", type=float, default=1.2)
     p.add_argument("--tail-min", type=int, default=2)
     p.add_argument("--tail-max-tokens", type=int, default=64)
@@ -58,7 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_for(args: argparse.Namespace, workload: str, mode: str, bound: int) -> Any:
+def shape_overrides(shape: str) -> list[str]:
+    hidden, _, layers = shape.partition("x")
+    if not (hidden.isdigit() and layers.isdigit()):
+        raise SystemExit(f"error: --shapes takes HIDDENxLAYERS entries such as 128x4, got {shape!r}")
+    return [f"model.hidden_size={hidden}", f"model.num_layers={layers}", f"model.intermediate_size={3 * int(hidden)}"]
+
+
+def config_for(args: argparse.Namespace, workload: str, shape: str, mode: str, bound: int) -> Any:
     from rlctl.config.load import load_config
 
     overrides = [
@@ -67,7 +87,15 @@ def config_for(args: argparse.Namespace, workload: str, mode: str, bound: int) -
         "train.optim.warmup_steps=0", "eval.at_end=false", "checkpoint.every_steps=0", "train.metric_sinks=[]",
         f"train.steps={args.steps}", f"mode={mode}", f"staleness.max_staleness={max(bound, 0)}",
         f"cluster.backend={args.placement}", f"cluster.num_rollout_workers={args.workers}",
+        *shape_overrides(shape),
     ]
+    if args.chunk:
+        overrides.append(f"staleness.rollout_chunk={args.chunk}")
+    if mode != "sync":
+        overrides += args.set
+    if args.placement == "ray":  # one CPU for the learner, the other shared by the rollout actors
+        overrides += ["cluster.num_cpus=2", "cluster.learner_num_cpus=1",
+                      f"cluster.rollout_num_cpus={1 / args.workers:g}"]
     if workload == "longtail":
         overrides += [f"rollout.max_tokens={args.tail_max_tokens}", f"rollout.options.length_tail_alpha={args.tail_alpha}",
                       f"rollout.options.length_tail_min={args.tail_min}"]
@@ -85,79 +113,153 @@ class Sink:
         pass
 
 
-def run_mode(args: argparse.Namespace, workload: str, name: str, plugins: Any, home: Path, task: Any) -> dict:
+class StepClock:
+    """Observer: per-step wall times, and (with ``pin``) pins both sides once the workers exist."""
+
+    def __init__(self, session: Any, pin: bool) -> None:
+        self.session, self.pin = session, pin
+        self.marks = [time.perf_counter()]
+
+    def __call__(self, step: int, metrics: Any) -> None:
+        if self.pin and len(self.marks) == 1:
+            pin_sides(self.session)
+        self.marks.append(time.perf_counter())
+
+    @property
+    def steps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def pin_sides(session: Any) -> None:
+    """Learner side (this process's main thread / the learner actor) on CPU 0; rollout side on CPU 1."""
+    learner_cpu, rollout_cpu = {0}, {1 % (os.cpu_count() or 1)}
+    os.sched_setaffinity(threading.main_thread().native_id, learner_cpu)
+    for thread in threading.enumerate():
+        if thread.name.startswith("rollout-") and thread.native_id is not None:
+            os.sched_setaffinity(thread.native_id, rollout_cpu)
+    learner_pid = getattr(session.learner, "pid", None)  # Ray placement: actor processes
+    if learner_pid is not None:
+        os.sched_setaffinity(learner_pid(), learner_cpu)
+    for worker in getattr(session.rollout, "workers", ()):
+        if hasattr(worker, "pid"):
+            os.sched_setaffinity(worker.pid(), rollout_cpu)
+
+
+def run_mode(args: argparse.Namespace, workload: str, shape: str, name: str, plugins: Any, home: Path,
+             task: Any, grade: bool) -> dict:
     from rlctl.engine.eval import grade_policy
-    from rlctl.engine.loop import run_sync
+    from rlctl.engine.loop import LoopSpec, run_sync
     from rlctl.engine.session import build_session
 
     mode, bound = MODES[name]
-    config = config_for(args, workload, mode, bound)
+    config = config_for(args, workload, shape, mode, bound)
     session = build_session(config, plugins, cache_root=home / "cache", task=task)
     sink = Sink()
+    clock = StepClock(session, args.pin)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.pin and name == "sync":
+            os.sched_setaffinity(threading.main_thread().native_id, {0})
         started = time.perf_counter()
-        if name == "sync":
-            from rlctl.engine.loop import LoopSpec
+        clock.marks = [started]
+        try:
+            if name == "sync":
+                run_sync(session, LoopSpec.from_config(config), [sink], clock)
+            else:
+                from rlctl.dist import run_overlapped
 
-            run_sync(session, LoopSpec.from_config(config), [sink])
-        else:
-            from rlctl.dist import run_overlapped
-
-            run_overlapped(session, plugins, Path(tmp), [sink])
+                run_overlapped(session, plugins, Path(tmp), [sink], clock)
+        finally:
+            os.sched_setaffinity(threading.main_thread().native_id, set(range(os.cpu_count() or 1)))
         wall = time.perf_counter() - started
-        policy = Path(tmp) / "policy"
-        session.learner.save_pretrained(str(policy))
-        session.tokenizer.save_pretrained(str(policy))
+        scores = None
+        if grade:
+            policy = Path(tmp) / "policy"
+            session.learner.save_pretrained(str(policy))
+            session.tokenizer.save_pretrained(str(policy))
+            eval_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"options": {}})})
+            scores = grade_policy(name, policy, eval_config, plugins, task, task.hidden[: args.hidden])
         session.rollout.close()
-        eval_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"options": {}})})
-        scores = grade_policy(name, policy, eval_config, plugins, task, task.hidden[: args.hidden])
-    return {"name": name, "wall": wall, "rows": sink.rows, "scores": scores, "config": config}
+    steps = clock.steps_s[1:] or clock.steps_s
+    return {"name": name, "wall": wall, "step_s": statistics.median(steps), "rows": sink.rows, "scores": scores,
+            "config": config}
+
+
+def summarize(runs: list[dict], prompts: int, group: int) -> dict:
+    """Medians over repeats of one mode; tokens per second of median step time."""
+    first = runs[0]
+    rows = [m for r in runs for m in r["rows"]]
+    tokens = statistics.fmean(m["response_length_mean"] * m.get("groups_trained", prompts) * group for m in rows)
+    esr = statistics.fmean(m["esr"] for m in rows)
+    step_s = statistics.median(r["step_s"] for r in runs)
+    return {"name": first["name"], "config": first["config"], "scores": first["scores"], "rows": first["rows"],
+            "step_s": step_s, "wall": statistics.median(r["wall"] for r in runs), "tps": tokens / step_s,
+            "eff_tps": tokens * esr / step_s,
+            "dv": statistics.fmean(m.get("staleness_mean", 0.0) for m in rows),
+            "drops": sum(r["rows"][-1].get(f"queue_drops_{k}", 0.0) for r in runs for k in ("stale", "ttl", "orphaned"))
+            / len(runs)}
+
+
+def print_table(args: argparse.Namespace, workload: str, shape: str, results: list[dict]) -> None:
+    from rlctl.engine.eval import paired_bootstrap
+    from rlctl.ops.staleness import contention_cores, predict_for_run
+
+    sync = next(r for r in results if r["name"] == "sync")
+    smoke = {k: statistics.median(m[k] for m in sync["rows"][1:] or sync["rows"])
+             for k in ("T_r", "T_l", "T_s", "response_length_mean", "response_length_max")}
+    pin = ", pinned: learner CPU 0 / rollout CPU 1" if args.pin else ", unpinned"
+    pin += "".join(f", {kv}" for kv in args.set)
+    print(f"\n## {workload}, model {shape}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
+          f"placement {args.placement}, {args.workers} workers, chunk {args.chunk or 'B/workers'}{pin}, "
+          f"median of {args.repeats} run(s)")
+    header = ("mode", "s/step", "x sync", "pred x sync", "wall s", "trained tok/s", "eff tok/s", "hidden pass@1",
+              "diff vs sync [95% CI]", "dv mean", "pred dv mean", "pred miss", "drops")
+    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.groups_per_s
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in results:
+        if r["scores"] is not None and sync["scores"] is not None:
+            cmp = paired_bootstrap(sync["scores"].correct, r["scores"].correct)
+            acc = f"{r['scores'].pass_at_1:.3f}"
+            diff = f"{cmp.diff:+.3f} [{cmp.ci_low:+.3f}, {cmp.ci_high:+.3f}]"
+        else:
+            acc = diff = "-"
+        pred, miss, speedup = 0.0, "-", 1.0
+        if r["name"] != "sync":
+            prediction = predict_for_run(r["config"], smoke).prediction
+            pred, speedup = prediction.staleness_mean, prediction.groups_per_s / base
+            miss = f"{pred - r['dv']:+.2f} ({abs(pred - r['dv']) / r['dv']:.0%})" if r["dv"] > 0 else f"{pred:+.2f}"
+        print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {speedup:.2f} | "
+              f"{r['wall']:.1f} | "
+              f"{r['tps']:.0f} | {r['eff_tps']:.0f} | {acc} | {diff} | {r['dv']:.2f} | {pred:.2f} | {miss} | "
+              f"{r['drops']:.0f} |")
+    cores = contention_cores(results[-1]["config"])
+    print(f"(x sync = sync s/step / mode s/step: > 1 is faster. The simulator (rlctl.ops.staleness) used sync's "
+          f"median T_r {smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s and {cores:g} shared "
+          f"core(s) for this placement; pred miss = predicted - measured mean dv; with partial rollout a step "
+          f"trains fewer groups, so compare trained tok/s)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rlctl.engine.eval import paired_bootstrap
     from rlctl.engine.session import load_task, resolve_policy_dir
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.staleness import predict_for_run
 
     args = parse_args(argv)
     home = Path(args.home)
     plugins = load_plugins()
-    for workload in args.workload.split(","):
-        base = config_for(args, workload, "sync", 0)
-        task = load_task(base, plugins)
-        resolve_policy_dir(base, task, home / "cache")  # warm start once, outside the timings
-        results = [run_mode(args, workload, name, plugins, home, task) for name in args.modes.split(",")]
-        sync = next(r for r in results if r["name"] == "sync")
-        smoke = {k: statistics.median(r[k] for r in sync["rows"][1:] or sync["rows"])
-                 for k in ("T_r", "T_l", "T_s", "response_length_mean", "response_length_max")}
-        print(f"\n## {workload}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
-              f"placement {args.placement}, {args.workers} workers (sync: 1 engine)")
-        header = ("mode", "wall s", "x sync", "trained tok/s", "x sync", "eff tok/s", "x sync", "hidden pass@1",
-                  "diff vs sync [95% CI]", "dv mean", "dv P95", "pred dv mean", "pred dv P95", "drops")
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in results:
-            rows = r["rows"]
-            n_rows = [m.get("groups_trained", args.prompts) * args.group for m in rows]
-            tokens = sum(m["response_length_mean"] * n for m, n in zip(rows, n_rows))
-            eff = sum(m["response_length_mean"] * n * m["esr"] for m, n in zip(rows, n_rows))
-            r["gen_tps"], r["eff_tps"] = tokens / r["wall"], eff / r["wall"]
-            cmp = paired_bootstrap(sync["scores"].correct, r["scores"].correct)
-            dv = [m.get("staleness_mean", 0.0) for m in rows] if r["name"] != "sync" else [0.0]
-            p95 = max(m.get("staleness_p95", 0.0) for m in rows) if r["name"] != "sync" else 0.0
-            if r["name"] == "sync":
-                pred_mean, pred_p95 = 0.0, 0.0
-            else:
-                pred = predict_for_run(r["config"], smoke).prediction
-                pred_mean, pred_p95 = pred.staleness_mean, pred.staleness_p95
-            drops = sum(rows[-1].get(f"queue_drops_{k}", 0.0) for k in ("stale", "ttl", "orphaned"))
-            print(f"| {r['name']} | {r['wall']:.1f} | {sync['wall'] / r['wall']:.2f} | {r['gen_tps']:.0f} | "
-                  f"{r['gen_tps'] / sync['gen_tps']:.2f} | {r['eff_tps']:.0f} | {r['eff_tps'] / sync['eff_tps']:.2f} | "
-                  f"{r['scores'].pass_at_1:.3f} | {cmp.diff:+.3f} [{cmp.ci_low:+.3f}, {cmp.ci_high:+.3f}] | "
-                  f"{statistics.mean(dv):.2f} | {p95:.0f} | {pred_mean:.2f} | {pred_p95:.0f} | {drops:.0f} |")
-        print(f"(x sync for wall is sync wall / mode wall: > 1 is faster; the simulator used sync's T_r "
-              f"{smoke['T_r']:.2f}s, T_l {smoke['T_l']:.2f}s, T_s {smoke['T_s']:.3f}s)")
+    for shape in args.shapes.split(","):
+        for workload in args.workload.split(","):
+            base = config_for(args, workload, shape, "sync", 0)
+            task = load_task(base, plugins)
+            resolve_policy_dir(base, task, home / "cache")  # warm start once, outside the timings
+            names = args.modes.split(",")
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            for i in range(args.repeats):  # interleaved, so a change in machine load hits every mode alike
+                for name in names:
+                    runs[name].append(run_mode(args, workload, shape, name, plugins, home, task,
+                                               grade=i == 0 and args.hidden > 0))
+            results = [summarize(runs[name], args.prompts, args.group) for name in names]
+            print_table(args, workload, shape, results)
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from rlctl.contracts.errors import (
     RegistryError,
     RlctlError,
     RoleError,
+    RolloutUnavailable,
 )
 from rlctl.contracts.types import (
     CheckpointManifest,
@@ -60,5 +61,6 @@ __all__ = [
     "RegistryError",
     "CheckpointError",
     "RoleError",
+    "RolloutUnavailable",
     "__version__",
 ]

@@ -59,6 +59,16 @@ def plugins():
     return load_plugins()
 
 
+@pytest.fixture(scope="module")
+def tiny_session(tiny_config, plugins, _rlctl_home):
+    """A session (task, tokenizer, rollout, learner) on the tiny config, one per test module."""
+    from rlctl.engine.session import build_session
+
+    s = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    yield s
+    s.rollout.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
     """A warm-started tiny model directory (about 1 s to build)."""

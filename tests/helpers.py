@@ -1,8 +1,13 @@
-"""Shared test helpers: one rollout batch from a session, and its logprob mismatch."""
+"""Shared test helpers: one rollout batch from a session, its logprob mismatch, an in-process HTTP server."""
 
 from __future__ import annotations
 
-from rlctl.contracts.types import RolloutRequest
+import http.client
+import json
+import socket
+import threading
+
+from rlctl.contracts.types import LearnerContext, RolloutRequest
 
 
 def rollout_batch(session, advantages=None, num_prompts: int = 4, group_size: int = 4):
@@ -23,3 +28,70 @@ def logprob_mismatch(session, batch) -> float:
     mask = batch.action_mask > 0
     assert int(mask.sum()) > 0
     return float((session.learner.logprobs(batch) - batch.behavior_logprobs)[mask].abs().max())
+
+
+def learner_context(session, micro_batch_size: int) -> LearnerContext:
+    """A deterministic CPU learner context for the session's policy: lr 1e-3, tight clipping (the sharded-learner
+    equivalence tests compare learners built from it)."""
+    cfg = session.config
+    return LearnerContext(model_dir=str(session.policy_dir),
+                          algo=cfg.algo.model_copy(update={"micro_batch_size": micro_batch_size}),
+                          optim=cfg.train.optim.model_copy(update={"lr": 1e-3, "grad_clip": 0.05}), seed=0,
+                          max_response_tokens=cfg.rollout.max_tokens, deterministic=True, device="cpu")
+
+
+class LiveServer:
+    """An rlctl HTTP server (rollout or reward) serving on an ephemeral port from a thread of this process."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.port = int(server.url.rsplit(":", 1)[1])
+        self.key = server.http.api_key
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 30.0) -> tuple[int, object]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
+                    **(headers or {})}
+            conn.request(method, path, body=body, headers={k: v for k, v in sent.items() if v is not None})
+            resp = conn.getresponse()
+            raw = resp.read()
+            kind = resp.getheader("Content-Type") or ""
+            return resp.status, json.loads(raw) if "json" in kind and raw else raw.decode(errors="replace")
+        finally:
+            conn.close()
+
+    def raw(self, data: bytes, timeout: float = 10.0) -> bytes:
+        """Send raw bytes on a fresh connection; what came back before the server closed it (or timeout)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            sock.sendall(data)
+            out = b""
+            try:
+                while chunk := sock.recv(65536):
+                    out += chunk
+                    if b"\r\n\r\n" in out and _complete(out):
+                        break
+            except socket.timeout:
+                pass
+            return out
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self._thread.join(timeout=10)
+
+
+def _complete(data: bytes) -> bool:
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":", 1)[1])
+    return True
+
+
+def http_status(response: bytes) -> int:
+    """The status code of a raw HTTP response."""
+    assert response.startswith(b"HTTP/1."), f"no HTTP response: {response[:200]!r}"
+    return int(response.split(b" ", 2)[1])

@@ -19,14 +19,34 @@ handler produces the real failure, never a log line that pretends one:
   (``checkpoint.committed``), truncates or bit-flips one of its files.
 - ``learner-crash``: SIGKILLs the process at ``learner.train_step`` (mid-step).
 - ``slow-rollout``: sleeps ``delay_s`` inside the rollout call (a straggler).
+- ``worker-crash``: SIGKILLs a rollout server process (an ``rlctl serve
+  rollout`` behind the ``sglang`` backend, found by the pid it reports, on
+  this host only) at ``rollout.dispatch``, after the health check and before
+  that server gets its share of the step's prompt groups; with
+  ``cluster.backend: ray`` it SIGKILLs a rollout actor's process (``target``:
+  a worker name such as ``ray-1``) at ``rollout.worker``, just before that
+  worker's generate call.
+- ``network-partition``: for ``duration_s`` seconds from the faulted step,
+  every HTTP call the ``sglang`` backend makes to a rollout server (or only to
+  ``target``, a server URL) goes to a local port that refuses connections
+  (``mode: refused``) or accepts them and never answers (``mode: blackhole``,
+  detected by the client's timeout) at ``rollout.connect``.
+- ``weight-sync-failure``: at the weight publish of the faulted step either a
+  shard write fails with ENOSPC (``stage: publish``, at ``weights.write``,
+  leaving an uncommitted version directory) or a byte of the committed
+  version's first shard is flipped before the servers load it (``stage:
+  apply``, at ``weights.published``), so the server's own checksum refuses it.
 
 What this is not: recovery (the roles and rlctl.ops.recovery do that).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -200,3 +220,146 @@ class SlowRollout:
             return value
 
         return arm("rollout.generate", handler)
+
+
+class WorkerCrashOptions(_Options):
+    server: int = Field(0, ge=0, description="Index (in rollout.options.servers) of the server to kill.")
+
+
+class WorkerCrash:
+    """SIGKILL a rollout server (``sglang`` backend) or a Ray rollout actor's process at step ``at_step``."""
+
+    def __init__(self, options: WorkerCrashOptions | None = None) -> None:
+        self.options = options or WorkerCrashOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        def handler(value: Any, clients: Any = (), **_: Any) -> Any:
+            if not ctx.due() or self.options.server >= len(clients):
+                return value
+            client = clients[self.options.server]
+            if ctx.target and client.url != ctx.target.rstrip("/"):
+                return value
+            host = client.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+            if host not in ("127.0.0.1", "localhost", "[::1]"):
+                raise RuntimeError(f"worker-crash can only kill a rollout server on this host, not {client.url}")
+            pid = (client.server_info().get("rlctl") or {}).get("pid")
+            if not isinstance(pid, int):
+                raise RuntimeError(f"{client.url} does not report its pid (worker-crash needs `rlctl serve rollout`)")
+            ctx.fire(f"rollout server {client.url} (pid {pid}) SIGKILLed", {"server": client.url, "pid": pid})
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while client.healthy(timeout_s=1.0) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the kernel closes its socket when the process is gone
+            return value
+
+        def on_worker(value: Any, worker: Any = None, **_: Any) -> Any:
+            pid_of = getattr(worker, "pid", None)  # Ray workers; in-process thread workers have no process
+            if pid_of is None or (ctx.target and worker.name != ctx.target) or not ctx.due():
+                return value
+            pid = pid_of()
+            ctx.fire(f"rollout worker {worker.name} (pid {pid}) SIGKILLed", {"worker": worker.name, "pid": pid})
+            os.kill(pid, signal.SIGKILL)
+            return value
+
+        disarms = [arm("rollout.dispatch", handler), arm("rollout.worker", on_worker)]
+
+        def disarm_all() -> None:
+            for disarm in disarms:
+                disarm()
+
+        return disarm_all
+
+
+class PartitionOptions(_Options):
+    duration_s: float = Field(3.0, gt=0, description="Seconds the learner cannot reach the server(s).")
+    mode: Literal["refused", "blackhole"] = Field("refused", description="Connections are refused, or accepted and "
+                                                  "never answered (the client's timeout detects it).")
+
+
+class NetworkPartition:
+    """The learner cannot reach the rollout server(s) for ``duration_s`` from step ``at_step`` on."""
+
+    def __init__(self, options: PartitionOptions | None = None) -> None:
+        self.options = options or PartitionOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        state: dict[str, Any] = {"until": None, "sock": None, "url": None}
+        lock = threading.Lock()
+
+        def dead_end() -> str:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if self.options.mode == "blackhole":
+                sock.listen(64)  # the kernel completes the handshake; nobody ever reads or answers
+                state["sock"] = sock
+            else:
+                sock.close()  # nothing listens on this port: connect() gets ECONNREFUSED
+            return f"http://127.0.0.1:{port}"
+
+        def heal() -> None:
+            if state["sock"] is not None:
+                state["sock"].close()
+            state.update(sock=None, url=None)
+
+        def handler(url: Any, server: str = "", **_: Any) -> Any:
+            if ctx.target and server != ctx.target.rstrip("/"):
+                return url
+            with lock:
+                now = time.monotonic()
+                if state["until"] is None and ctx.due():
+                    state["until"] = now + self.options.duration_s
+                    state["url"] = dead_end()
+                    ctx.fire(f"network partition: the learner cannot reach {ctx.target or 'any rollout server'} "
+                             f"for {self.options.duration_s:g}s ({self.options.mode})",
+                             {"duration_s": self.options.duration_s, "mode": self.options.mode})
+                if state["until"] is not None and now < state["until"]:
+                    return state["url"]
+                if state["url"] is not None:
+                    heal()
+            return url
+
+        disarm = arm("rollout.connect", handler)
+
+        def disarm_all() -> None:
+            disarm()
+            with lock:
+                heal()
+
+        return disarm_all
+
+
+class WeightSyncOptions(_Options):
+    stage: Literal["apply", "publish"] = Field("apply", description="apply: flip a byte of the committed version "
+                                               "(the server's checksum refuses it); publish: a shard write fails "
+                                               "with ENOSPC.")
+
+
+class WeightSyncFailure:
+    """The weight publish of step ``at_step`` fails (once), at the write or at the servers' load."""
+
+    def __init__(self, options: WeightSyncOptions | None = None) -> None:
+        self.options = options or WeightSyncOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        def on_write(value: Any, path: str = "", **_: Any) -> Any:
+            if ctx.due():
+                ctx.fire(f"weight publish failed writing {Path(path).name} (no space left on device)",
+                         {"stage": "publish", "file": path})
+                raise OSError(errno.ENOSPC, "No space left on device (injected fault)", path)
+            return value
+
+        def on_published(value: Any, location: str = "", version: int = 0, **_: Any) -> Any:
+            if not ctx.due():
+                return value
+            shard = sorted(p for p in Path(location).iterdir() if p.suffix in (".safetensors", ".rlst"))[0]
+            data = shard.read_bytes()
+            middle = len(data) // 2
+            ctx.fire(f"flipped a byte of {shard.name} in published weight version {version} before the servers "
+                     f"load it", {"stage": "apply", "file": str(shard), "version": version})
+            shard.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+            return value
+
+        if self.options.stage == "publish":
+            return arm("weights.write", on_write)
+        return arm("weights.published", on_published)

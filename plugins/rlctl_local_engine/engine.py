@@ -25,7 +25,7 @@ from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
 from rlctl.engine.faults import fault_site
 from rlctl.engine.weight_apply import apply_update
-from rlctl.models.device import resolve_device
+from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_local_engine.options import LocalEngineOptions
@@ -87,7 +87,7 @@ class LocalEngine:
             def abort() -> list[int]:
                 return [row for k in cancelled() for row in range(offsets[k], offsets[k + 1])]
 
-        with self.device:  # prompt, cache and sampling tensors live beside the model
+        with placed(self.device):  # prompt, cache and sampling tensors live beside the model
             result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
                             pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
                             abort=abort, min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlctl import RewardResult, Trajectory
 from rlctl.contracts.errors import ConfigError, RoleError
+from rlctl.serve.client import server_urls
 
 VERSION = "1.0"
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -81,14 +82,7 @@ class RewardModelOptions(BaseModel):
     @field_validator("servers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"server {url!r} must be an http(s) URL such as http://127.0.0.1:30100")
-            out.append(url.rstrip("/"))
-        if len(set(out)) != len(out):
-            raise ValueError("a server is listed twice in servers; list each once")
-        return out
+        return server_urls(urls, key="servers", example="http://127.0.0.1:30100")
 
 
 class RewardModelReward:

@@ -21,6 +21,22 @@ SGLang (``python -m sglang.launch_server``) or ``rlctl serve rollout``:
   resynced with a full copy of the current version before it gets work, and
   an answer tagged with a stale version is discarded and regenerated. An
   unreachable server's prompts go, group by group, to the next healthy one.
+- outages: when no server is reachable (a network partition, every server
+  crashed) the step waits, probing with backoff, up to ``reconnect_timeout_s``;
+  a server that comes back is fenced (it serves only after it confirms the
+  current version, resynced if needed) and the groups of the failed call are
+  sent again whole, so no group is generated twice into the batch. Past the
+  timeout generate raises ``RolloutUnavailable`` (the overlapped driver
+  re-queues the prompts and restarts the worker; the synchronous loop stops).
+- a weight publish that fails (a shard write error, or a version a server
+  refuses because its checksum does not match) is written again and resent,
+  within the retry bound; the server keeps serving its previous version
+  meanwhile, never a half-applied one, and the learner stays paused.
+
+Every such recovery is reported (``report_recovery``) and becomes a registry
+event of the run: ``rollout_server_lost``, ``rollout_partition``,
+``rollout_reconnected``, ``rollout_server_resynced``, ``weight_sync_failed``,
+``weight_sync_recovered``.
 
 Logprobs: real SGLang returns log_softmax(logits / T) before top-k / top-p,
 while rlctl's learner recomputes logprobs under the truncated distribution, so
@@ -45,8 +61,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
+from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
+from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.engine.transports.disk import DiskTransport
 from rlctl.engine.weight_sync import Broadcaster, PublishReport, SyncOptions, await_confirmation
 from rlctl_sglang.client import ServerClient, ServerError
@@ -77,6 +94,9 @@ class SGLangRollout:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.clients)), thread_name_prefix="rlctl-sglang")
         self._calls = 0
+        self._fenced: set[str] = set()  # urls of unreachable servers left out of weight syncs until they answer
+        self._refused: set[str] = set()  # published locations a server refused (damaged): rewritten before a retry
+        self._pending: WeightUpdate | None = None  # the update being synced, to rewrite a refused version
         for client in self.clients:
             self._kinds[client.url] = self._kind(client.model_info())
         self._check_servers_support_options()
@@ -113,8 +133,11 @@ class SGLangRollout:
         try:
             answer = client.update_weights_from_disk(path, version)
         except ServerError as err:
+            if err.status is not None and err.status < 500:
+                self._refused.add(path)  # the server read the version and rejected it: rewrite it before a retry
             return False, str(err)
         if isinstance(answer, dict) and answer.get("success") is False:
+            self._refused.add(path)
             return False, f"{client.url} refused {path}: {answer.get('message')}"
         return self._confirm(client, version, fingerprint)
 
@@ -127,10 +150,20 @@ class SGLangRollout:
             nonlocal tries
             tries += 1  # after a refused try, send a full copy: the server may not hold the delta's base
             path, fingerprint = self._source_for(client, report, force_full=tries > 1)
-            return self._load(client, path, version, fingerprint)
+            if path in self._refused:
+                path, fingerprint = self._rewrite(path)
+            ok, detail = self._load(client, path, version, fingerprint)
+            if not ok:
+                report_recovery("weight_sync_failed", f"weight version {version} not confirmed on {client.url} "
+                                f"(try {tries}): {detail}", {"server": client.url, "version": version, "try": tries})
+            return ok, detail
 
-        await_confirmation(attempt, what=f"weight version {version} on {client.url}", retries=self.options.retries,
-                           backoff_s=self.options.retry_backoff_s)
+        used = await_confirmation(attempt, what=f"weight version {version} on {client.url}",
+                                  retries=self.options.retries, backoff_s=self.options.retry_backoff_s)
+        if used > 1:
+            report_recovery("weight_sync_recovered", f"weight version {version} confirmed on {client.url} after "
+                            f"{used} tries; the learner was paused meanwhile",
+                            {"server": client.url, "version": version, "tries": used})
 
     def _source_for(self, client: ServerClient, report: PublishReport | None,
                     force_full: bool = False) -> tuple[str, str | None]:
@@ -149,11 +182,62 @@ class SGLangRollout:
                     report = self.last_publish = self.broadcaster.republish_full()
         return report.location, report.manifest.fingerprint
 
+    def _rewrite(self, location: str) -> tuple[str, str | None]:
+        """Write the refused version again as a fresh full copy (once, whichever server thread gets here first)."""
+        with self._lock:
+            last = self.last_publish
+            if last is not None and last.location == location and self._pending is not None:
+                shutil.rmtree(location, ignore_errors=True)
+                self.last_publish = last = self.broadcaster.publish(self._pending, full=True)
+                self._refused.discard(last.location)
+                report_recovery("weight_sync_failed", f"weight version {last.version} in {location} was refused "
+                                f"by a server; written again", {"version": last.version, "location": location})
+            if last is None:  # the starting model directory: nothing to rewrite, retry as it is
+                return location, self.fingerprint
+            return last.location, last.manifest.fingerprint
+
+    def _publish(self, update: WeightUpdate) -> PublishReport:
+        """Publish ``update``; a failed write (disk full, I/O error) is retried within the retry bound."""
+        for attempt in range(self.options.retries + 1):
+            try:
+                report = self.broadcaster.publish(update, full=attempt > 0)
+                break
+            except OSError as err:
+                report_recovery("weight_sync_failed", f"publishing weight version {update.version} failed (try "
+                                f"{attempt + 1}): {err}", {"version": update.version, "try": attempt + 1,
+                                                             "stage": "publish"})
+                if attempt == self.options.retries:
+                    raise RoleError(f"publishing weight version {update.version} failed {attempt + 1} times: {err}",
+                                    "the learner stayed paused at this version; free space or fix the publish "
+                                    "directory (rollout.options.publish_dir), then resume; see `rlctl runbook show "
+                                    "weight-sync-failure`") from None
+                time.sleep(self.options.retry_backoff_s * (2 ** attempt))
+        if attempt:
+            report_recovery("weight_sync_recovered", f"weight version {update.version} published after "
+                            f"{attempt + 1} tries", {"version": update.version, "tries": attempt + 1,
+                                                      "stage": "publish"})
+        fault_site("weights.published", location=report.location, version=update.version)  # bit rot (injected)
+        return report
+
     def _sync_all(self, path: str, report: PublishReport | None) -> None:
-        futures = [self._pool.submit(self._sync_one, c, report) for c in self.clients]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        clients = self.clients
+        if report is not None:  # a fenced (unreachable) server is skipped until it answers again
+            clients = [c for c in clients if c.url not in self._fenced or c.healthy(timeout_s=2.0)]
+            if not clients:  # every server is fenced: the learner waits for one to come back and confirm
+                self._await_reachable("every rollout server is unreachable")
+                return
+        futures = [self._pool.submit(self._sync_one, c, report) for c in clients]
+        failed = [(c, f.exception()) for c, f in zip(clients, futures) if f.exception() is not None]
+        for c, f in zip(clients, futures):
+            if f.exception() is None:
+                self._fenced.discard(c.url)
+        if failed and (report is None or len(failed) == len(clients) or any(c.healthy() for c, _ in failed)):
+            raise failed[0][1]  # nobody confirmed, or a reachable server refused: the learner stays paused
+        for client, err in failed:
+            self._fenced.add(client.url)
+            report_recovery("rollout_server_fenced", f"{client.url} is unreachable at weight version "
+                            f"{self.policy_version}: fenced, it gets work again only after it confirms the "
+                            f"current version ({err})", {"server": client.url, "version": self.policy_version})
         if report is None and self.fingerprint is None:  # starting weights: every rlctl server must agree
             prints = {info.get("rlctl", {}).get("fingerprint") for info in self._infos() if info.get("rlctl")}
             if len(prints) > 1:
@@ -173,6 +257,9 @@ class SGLangRollout:
                 try:
                     self._sync_one(client, None)
                     ok = True
+                    report_recovery("rollout_server_resynced", f"{client.url} did not serve weight version "
+                                    f"{self.policy_version}; resynced before it gets work",
+                                    {"server": client.url, "version": self.policy_version})
                 except RoleError:
                     ok = False
             if ok:
@@ -182,23 +269,29 @@ class SGLangRollout:
     # -- RolloutBackend ------------------------------------------------------------------
 
     def update_weights(self, update: WeightUpdate) -> None:
-        report = self.broadcaster.publish(update)  # visible only once its manifest is committed
-        # From here the committed version is the target: a server that does not confirm it within the
-        # retry bound fails this call (the learner stays paused) and is resynced before it serves again.
-        self.policy_version, self.fingerprint, self.last_publish = update.version, report.manifest.fingerprint, report
-        self._sync_all(report.location, report)
+        self._pending = update
+        try:
+            report = self._publish(update)  # visible only once its manifest is committed
+            # From here the committed version is the target: a server that does not confirm it within the
+            # retry bound fails this call (the learner stays paused) and is resynced before it serves again.
+            self.policy_version, self.fingerprint = update.version, report.manifest.fingerprint
+            self.last_publish = report
+            self._sync_all(report.location, report)
+        finally:
+            self._pending = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         if not requests:
             return []
         self._calls += 1
         started = time.time()
-        ready = self._ready_servers()
+        ready = self._ready_servers() or self._await_reachable("no server answers or serves the current version")
         self._check_logprob_semantics(requests, ready)
         pending: dict[int, list[int]] = {}
         for k, req in enumerate(requests):
             pending.setdefault(self._route(req.prompt_id, ready), []).append(k)
         answers: dict[int, list[dict[str, Any]]] = {}
+        fault_site("rollout.dispatch", clients=self.clients)  # a server crash (injected)
         for _ in range(self.options.retries + 1):
             if not pending:
                 break
@@ -213,9 +306,11 @@ class SGLangRollout:
                 if not (isinstance(error, ServerError) and error.unreachable):
                     raise error
                 ready = [r for r in ready if r != i]  # move this server's groups, whole, to others
-                if not ready:
-                    raise RoleError(f"no rollout server is reachable (last: {error})",
-                                    "start the servers again; rlctl resyncs them to the current version")
+                report_recovery("rollout_server_lost", f"{self.clients[i].url} unreachable during generate "
+                                f"({error}); its {len(pending[i])} prompt group(s) are generated again, whole",
+                                {"server": self.clients[i].url, "groups": len(pending[i])})
+                if not ready:  # wait for one to come back; past reconnect_timeout_s: RolloutUnavailable
+                    ready = self._await_reachable(str(error))
                 for k in pending[i]:
                     retry.setdefault(self._route(requests[k].prompt_id, ready), []).append(k)
             pending = retry
@@ -225,6 +320,29 @@ class SGLangRollout:
         for k, req in enumerate(requests):
             out.extend(self._trajectories(req, answers[k], started))
         return out
+
+    def _await_reachable(self, why: str) -> list[int]:
+        """No server can serve: wait (probing with backoff) until one is back in sync, up to reconnect_timeout_s."""
+        started = time.monotonic()
+        urls = [c.url for c in self.clients]
+        report_recovery("rollout_partition", f"no rollout server reachable ({why}); generation paused, probing "
+                        f"for up to {self.options.reconnect_timeout_s:g}s", {"servers": urls})
+        delay = max(0.05, self.options.retry_backoff_s)
+        while True:
+            waited = time.monotonic() - started
+            if waited >= self.options.reconnect_timeout_s:
+                raise RolloutUnavailable(f"no rollout server of {urls} reachable for {waited:.0f}s (first: {why})",
+                                "start the servers or fix the network, then `rlctl resume`; see `rlctl runbook show "
+                                "network-partition`")
+            time.sleep(min(delay, max(0.0, self.options.reconnect_timeout_s - waited)))
+            delay = min(delay * 2, 5.0)
+            ready = self._ready_servers()  # fences: a server serves only once it confirms the current version
+            if ready:
+                report_recovery("rollout_reconnected", f"rollout server(s) {[urls[i] for i in ready]} back after "
+                                f"{time.monotonic() - started:.1f}s, confirmed at weight version "
+                                f"{self.policy_version}", {"servers": [urls[i] for i in ready],
+                                                           "down_s": round(time.monotonic() - started, 3)})
+                return ready
 
     def health(self) -> Mapping[str, Any]:
         servers = []
@@ -254,8 +372,8 @@ class SGLangRollout:
         if home in ready:
             return home
         if not ready:
-            raise RoleError("no rollout server serves the current weight version",
-                            "start the servers (rlctl resyncs them on the next step)")
+            raise RolloutUnavailable("no rollout server serves the current weight version",
+                                     "start the servers (rlctl resyncs them on the next step)")
         return ready[h % len(ready)]
 
     def _check_logprob_semantics(self, requests: Sequence[RolloutRequest], ready: Sequence[int]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
+from rlctl.engine.faults import fault_site
 from rlctl.serve.client import CallError, call_json
 
 
@@ -39,8 +40,9 @@ class ServerClient:
         self._info_path = "/model_info"  # SGLang's current route; /get_model_info is its deprecated alias
 
     def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        base = fault_site("rollout.connect", self.url, server=self.url, path=path)  # a partition (injected)
         try:
-            return call_json(self.url, method, path, body, timeout_s=timeout_s or self.timeout_s,
+            return call_json(base, method, path, body, timeout_s=timeout_s or self.timeout_s,
                              api_key=self._api_key)
         except CallError as err:
             raise ServerError(self.url, err.message, err.status) from None
@@ -53,6 +55,9 @@ class ServerClient:
                 raise
             self._info_path = "/get_model_info"  # an older server
             return self._call("GET", self._info_path, timeout_s=timeout_s)
+
+    def server_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call("GET", "/get_server_info", timeout_s=timeout_s)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
+from rlctl.serve.client import server_urls
 
 
 class SGLangOptions(BaseModel):
@@ -28,6 +29,9 @@ class SGLangOptions(BaseModel):
     retries: int = Field(3, ge=0, description="Bounded retries for weight-sync confirmation, resync and generate; "
                          "past them the step fails with an error naming the server.")
     retry_backoff_s: float = Field(0.5, ge=0, description="Delay before the first retry; doubles each retry.")
+    reconnect_timeout_s: float = Field(120.0, gt=0, description="When no server is reachable (a partition, a "
+                                       "crashed server), the step waits this long for one to come back (probing with "
+                                       "backoff, resyncing it before it serves), then fails naming the servers.")
     publish_dir: str | None = Field(None, description="Directory for published weight versions; every server must "
                                     "read it at the same path (shared disk). Default: a fresh temp dir on this host.")
     weight_sync: Literal["disk"] = Field("disk", description="How weights reach the servers: 'disk' publishes a "
@@ -43,14 +47,7 @@ class SGLangOptions(BaseModel):
     @field_validator("servers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"server {url!r} must be an http(s) URL such as http://127.0.0.1:30000")
-            out.append(url.rstrip("/"))
-        if len(set(out)) != len(out):
-            raise ValueError("a server is listed twice in rollout.options.servers; list each once")
-        return out
+        return server_urls(urls, key="rollout.options.servers", example="http://127.0.0.1:30000")
 
     @model_validator(mode="after")
     def _delta_encoding(self) -> "SGLangOptions":

@@ -43,7 +43,7 @@ from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
-from rlctl.models.device import resolve_device
+from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
 from rlctl_torch_learner.options import TorchLearnerOptions
@@ -106,7 +106,7 @@ class TorchLearner:
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
         """Per-token log-probs (and entropy); prompts shared by several rows are prefilled once."""
         batch = batch.to(self.device)
-        with self.device:  # tensors built during the forward (positions, masks) land beside the model
+        with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.options.share_prompt_prefill:
                 shared = _prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:

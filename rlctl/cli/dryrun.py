@@ -115,7 +115,9 @@ def _render_staleness(run: Any) -> None:
     p, q = run.params, run.prediction
     _output.console.print(
         f"staleness ({p.mode}, bound {p.max_ahead}; simulated {p.steps} steps from the smoke timings, lengths "
-        f"{run.lengths}): mean dv {q.staleness_mean:.2f}, P95 dv {q.staleness_p95:.0f}, drops {q.drop_rate:.1%}; "
+        f"{run.lengths}, "
+        + ("no contention" if p.cores is None else f"rollout and learner sharing {p.cores:g} core(s)")
+        + f"): mean dv {q.staleness_mean:.2f}, P95 dv {q.staleness_p95:.0f}, drops {q.drop_rate:.1%}; "
         f"learner waits {q.learner_wait_share:.0%}, rollout waits {q.rollout_wait_share:.0%}; "
         f"utilisation {q.utilisation:.2f} (rollout demand / learner capacity)")
 

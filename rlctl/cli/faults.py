@@ -8,11 +8,12 @@ from typing import List, Optional
 import typer
 
 from rlctl.cli import _output
-from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
+from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry
 
 
 def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, "
-                                     "bad-checkpoint, learner-crash, slow-rollout (`rlctl plugins list`)."),
+                                     "bad-checkpoint, learner-crash, slow-rollout, worker-crash, "
+                                     "network-partition, weight-sync-failure (`rlctl plugins list`)."),
            config: Optional[Path] = typer.Argument(None, help="Start a new run of this config with the fault."),
            overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=20."),
            run: Optional[str] = typer.Option(None, "--run", help="Inject into this run instead: armed at its next "

@@ -18,6 +18,13 @@ import typer
 app = typer.Typer(help="Serve rlctl engines over HTTP (rollout: SGLang-compatible API; reward: a reward model).",
                   no_args_is_help=True)
 
+# The HTTP hardening options both servers share (rlctl.serve.http_common).
+_MAX_BODY_MB = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit in MiB (default 8).")
+_MAX_CONNECTIONS = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; more get 503.")
+_READ_TIMEOUT_S = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections are closed "
+                               "after this.")
+_VERBOSE = typer.Option(False, "--verbose", help="Log every HTTP request to stderr.")
+
 
 @app.command("rollout")
 def rollout(
@@ -41,13 +48,10 @@ def rollout(
                                                  "model's positions - 1)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", min=1, help="Sequences per /generate "
                                               "request, n copies included (default 512)."),
-    max_body_mb: Optional[float] = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit "
-                                                "in MiB (default 8)."),
-    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; "
-                                        "more get 503."),
-    read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections "
-                                         "are closed after this."),
-    verbose: bool = typer.Option(False, "--verbose", help="Log every HTTP request to stderr."),
+    max_body_mb: Optional[float] = _MAX_BODY_MB,
+    max_connections: int = _MAX_CONNECTIONS,
+    read_timeout_s: float = _READ_TIMEOUT_S,
+    verbose: bool = _VERBOSE,
 ) -> None:
     """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
     from rlctl.serve.http_common import HttpOptions, check_exposure
@@ -82,13 +86,10 @@ def reward(
     max_batch_rows: int = typer.Option(64, "--max-batch-rows", min=1, help="Sequences per forward pass."),
     max_texts: Optional[int] = typer.Option(None, "--max-texts", min=1, help="Sequences per /score request "
                                             "(default 256)."),
-    max_body_mb: Optional[float] = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit "
-                                                "in MiB (default 8)."),
-    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; "
-                                        "more get 503."),
-    read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections "
-                                         "are closed after this."),
-    verbose: bool = typer.Option(False, "--verbose", help="Log every HTTP request to stderr."),
+    max_body_mb: Optional[float] = _MAX_BODY_MB,
+    max_connections: int = _MAX_CONNECTIONS,
+    read_timeout_s: float = _READ_TIMEOUT_S,
+    verbose: bool = _VERBOSE,
 ) -> None:
     """Serve a reward model (scalar head) over HTTP: POST /score, GET /info (its model_hash), /health."""
     from rlctl.serve.http_common import HttpOptions, check_exposure

@@ -131,5 +131,13 @@ def _supervised(config: Path, overrides: List[str], max_restarts: int, run_dir: 
     if not json_out:
         _output.console.print(f"supervisor: run {result.run_id} exit {result.exit_code} after {result.restarts} "
                               f"restart(s) in {result.wall_s:.1f}s")
+    if result.exit_code and result.crashes and result.exit_code >= 128:  # killed again after the last restart
+        import sys
+
+        rid = result.run_id or "RUN"
+        print(f"error: run {rid} cannot recover: training {result.crashes[-1]['cause']} again after "
+              f"{result.restarts} restart(s) (faults.max_restarts={max_restarts})", file=sys.stderr)
+        print(f"hint: see `rlctl runs show {rid}` and `rlctl diagnose {rid}`; a process killed again and again is "
+              "most often the kernel's OOM killer: `rlctl runbook show oom`", file=sys.stderr)
     if result.exit_code:
         raise typer.Exit(result.exit_code)

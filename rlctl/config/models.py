@@ -264,7 +264,8 @@ class FaultSpec(_Strict):
     """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
 
     kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, "
-                      "bad-checkpoint, learner-crash, slow-rollout (see `rlctl plugins`).")
+                      "bad-checkpoint, learner-crash, slow-rollout, worker-crash, network-partition, "
+                      "weight-sync-failure (see `rlctl plugins`).")
     at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
     count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
     rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples hit (verifier faults).")
@@ -317,6 +318,8 @@ class ClusterConfig(_Strict):
     rollout_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested per rollout worker actor.")
     learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor.")
     learner_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested by the learner actor.")
+    reward_num_cpus: float = Field(0.0, ge=0, description="ray only: CPUs requested per reward actor "
+                                   "(reward.workers > 1); 0 = scheduled beside the reserved bundles.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="ray only: placement-group strategy for the learner and worker bundles."
     )
@@ -345,6 +348,15 @@ class StalenessConfig(_Strict):
         None, ge=1, description="Prompts per rollout-worker call; null = ceil(B / workers). Smaller = fresher weights."
     )
     take_timeout_s: float = Field(600.0, gt=0, description="Fail if the learner waits this long for one batch.")
+    partial_fraction: float = Field(
+        1.0, gt=0, le=1, description="Partial rollout: a step proceeds once this fraction of its B groups is "
+        "ready; the unfinished groups carry over to a later step with their policy versions recorded (the "
+        "max_staleness bound still applies and is counted). 1 = wait for the whole batch."
+    )
+    queue_segment_bytes: int = Field(
+        64 << 20, ge=1, description="Size at which the trajectory log starts a new segment file; whole segments "
+        "older than the oldest kept checkpoint are deleted after each checkpoint commits."
+    )
 
 
 class EvalConfig(_Strict):
@@ -374,3 +386,11 @@ class RunConfig(_Strict):
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _partial_needs_overlap(self) -> "RunConfig":
+        if self.staleness.partial_fraction < 1 and self.mode == "sync":
+            raise ValueError("staleness.partial_fraction < 1 needs mode one_step_off or async: in mode=sync a "
+                             "group carried over to the next step is always one version stale and would be dropped; "
+                             "set mode=one_step_off (or async), or staleness.partial_fraction=1")
+        return self

@@ -51,6 +51,19 @@ class RoleError(RlctlError):
     """A role (rollout, reward, learner) failed while the loop was running."""
 
 
+class RolloutUnavailable(RoleError):
+    """The engine behind a rollout backend is gone while serving a call.
+
+    A backend raises it when its process died or every server it drives is
+    unreachable, so the call's prompts were not (all) generated. The
+    overlapped driver re-queues those prompts for any worker, restarts this
+    worker (a new backend instance) and loads the current weights into it
+    before it serves again, up to ``cluster.max_restarts`` times; the
+    synchronous loop stops with it. Fault injectors (a ``worker-crash`` kind)
+    raise it, or kill the engine, at the ``rollout.generate`` fault site.
+    """
+
+
 class RunbookError(RlctlError):
     """A runbook is malformed or its check failed."""
 
@@ -64,5 +77,6 @@ __all__ = [
     "RegistryError",
     "CheckpointError",
     "RoleError",
+    "RolloutUnavailable",
     "RunbookError",
 ]

@@ -28,10 +28,15 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
     from rlctl.engine.async_loop import AsyncDriver, AsyncSpec, WorkerPool
 
     config = session.config
-    if session.critic is not None or session.estimator.max_sample_rounds > 1:
-        raise ConfigError(f"algo.name={config.algo.name} (a critic or refilled group sampling) runs in mode=sync on "
-                          "the local backend only", "set mode=sync cluster.backend=local, or use grpo / rloo / "
-                          "dr_grpo / reinforce_pp / gspo for overlapped training")
+    rounds = session.estimator.max_sample_rounds
+    if rounds > 1:
+        raise ConfigError(
+            f"algo.name={config.algo.name} refills filtered groups (up to {rounds} sampling rounds per step), which "
+            "overlapped training cannot do: a refill needs prompts beyond the step's batch, and the trajectory "
+            "queue admits a prompt only while its batch index is within staleness.max_staleness of the learner's "
+            "version, so the learner would wait for groups no worker may generate",
+            "set algo.options.max_sample_rounds=1 (groups without signal are dropped, counted in "
+            "ds_dropped_groups, and the step trains on the rest), or train with mode=sync cluster.backend=local")
     spec = AsyncSpec.from_config(config)
     if config.cluster.backend == "ray":
         from rlctl.dist.ray import RayPlacement
@@ -44,7 +49,7 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
     try:
         workers = placement.workers()
         driver = AsyncDriver(session, spec, workers, directory / "queue",
-                             recover=_recover(session, store) if store is not None else None)
+                             recover=_recover(session, store) if store is not None else None, store=store)
         local_rollout = session.rollout
         session.rollout = WorkerPool(workers, driver.board)
         try:

@@ -5,8 +5,10 @@ backend; the others are built from the same plugin and options with their own
 seed. Threads overlap generation with training because torch releases the
 GIL inside its kernels.
 
-What this is not: a process supervisor. A local worker that raises is rebuilt
-in place (``restart``) up to ``cluster.max_restarts`` times.
+What this is not: a process supervisor. A local worker whose backend raises
+RuntimeError / OSError / RolloutUnavailable (its engine died, e.g. every
+SGLang server behind the ``sglang`` plugin is down) is rebuilt in place
+(``restart``) up to ``cluster.max_restarts`` times.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+from rlctl.contracts.errors import RolloutUnavailable
 from rlctl.contracts.types import RolloutContext, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.engine.async_loop import WorkerLost
 
@@ -34,15 +37,23 @@ class LocalWorker:
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         try:
             return self.backend.generate(requests)
-        except (RuntimeError, OSError) as err:  # a backend fault: rebuild it, regenerate the prompts
+        except (RuntimeError, OSError, RolloutUnavailable) as err:  # rebuild the backend, regenerate the prompts
             raise WorkerLost(f"{type(err).__name__}: {err}") from err
 
     def load_weights(self, update: WeightUpdate) -> None:
-        self.backend.update_weights(update)
+        try:
+            self.backend.update_weights(update)
+        except RolloutUnavailable as err:
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
 
     def restart(self) -> None:
-        with _BUILD_LOCK:
-            self.backend = self._build()
+        """A new backend instance (it starts from the run's initial model; the driver loads current weights next)."""
+        try:
+            with _BUILD_LOCK:
+                backend = self._build()
+        except RolloutUnavailable as err:  # its engine is not back yet: counted as one more failure
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+        self.backend = backend  # the dead one is left to the run's close (worker 0's is the session's own)
 
     def close(self) -> None:
         self.backend.close()

@@ -11,15 +11,22 @@ loads the current version into it before it serves (RayWorker.restart waits
 until the actor answers again). A restarted learner actor comes back at
 version 0 and is restored from the newest checkpoint by the loop.
 
-What this is not: the loop (rlctl.engine.async_loop). Reward scoring stays on
-the driver: the built-in rewards are microseconds per sample.
+With ``reward.workers`` > 1 the graders run as Ray actors too
+(``RayRewardPool``, the same RewardPool contract as the process pool): one
+sample at a time per actor, a per-sample deadline (past it the actor is killed
+and restarted, the sample gets ``error_code="timeout"``), and up to
+``reward.retries`` new attempts when an actor dies mid-sample. With one worker
+the built-in rewards (microseconds per sample) are scored on the driver.
+
+What this is not: the loop (rlctl.engine.async_loop).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
@@ -27,8 +34,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlctl.contracts.errors import RoleError
-from rlctl.contracts.types import LearnerContext, RolloutContext, RolloutRequest, Trajectory, WeightUpdate
+from rlctl.contracts.types import (
+    LearnerContext,
+    RewardResult,
+    RolloutContext,
+    RolloutRequest,
+    Trajectory,
+    WeightUpdate,
+)
 from rlctl.engine.async_loop import LearnerLost, WorkerLost
+from rlctl.engine.faults import fault_site
 
 _LOST = (RayActorError, ActorUnavailableError)
 READY_TIMEOUT_S = 600.0  # a restarting actor imports torch and loads its model; shared CPUs are slow
@@ -82,6 +97,88 @@ class LearnerActor:
         return os.getpid()
 
 
+@ray.remote
+class RewardActor:
+    """Builds one grader from a picklable factory and scores one sample per call."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        _threads(1)
+        self.reward = factory()
+
+    def version(self) -> str:
+        return self.reward.version
+
+    def score(self, trajectory: Trajectory, reference: str) -> RewardResult:
+        started = time.perf_counter()
+        try:
+            return self.reward.score(trajectory, reference)
+        except Exception as err:  # reported as an error code, never a zero
+            return RewardResult(total=0.0, components={}, grader_version=self.reward.version,
+                                error_code=f"grader_error:{type(err).__name__}",
+                                latency_s=time.perf_counter() - started, log=str(err)[:500])
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRewardPool:
+    """``workers`` RewardActors behind the RewardPool contract (``score`` in input order, ``close``)."""
+
+    def __init__(self, factory: Callable[[], Any], workers: int, *, timeout_s: float, retries: int,
+                 num_cpus: float = 0.0, max_restarts: int = -1) -> None:
+        self.timeout_s, self.retries = timeout_s, retries
+        self.actors = [RewardActor.options(num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0)
+                       .remote(factory) for _ in range(workers)]
+        self.version = ray.get(self.actors[0].version.remote(), timeout=READY_TIMEOUT_S)
+
+    def score(self, trajectories: Sequence[Trajectory], references: Sequence[str]) -> list[RewardResult]:
+        if len(trajectories) != len(references):
+            raise ValueError("one reference per trajectory")
+        results: list[RewardResult | None] = [None] * len(trajectories)
+        todo = iter(range(len(trajectories)))
+        lock = threading.Lock()
+
+        def drive(slot: int) -> None:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                results[i] = self._one(slot, trajectories[i], references[i])
+
+        threads = [threading.Thread(target=drive, args=(k,), daemon=True) for k in range(len(self.actors))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [r if r is not None else self._error("worker_crashed", 0.0, "no result") for r in results]
+
+    def _one(self, slot: int, trajectory: Trajectory, reference: str) -> RewardResult:
+        started = time.perf_counter()
+        actor = self.actors[slot]
+        for attempt in range(self.retries + 1):
+            try:
+                return ray.get(actor.score.remote(trajectory, reference), timeout=self.timeout_s)
+            except GetTimeoutError:
+                ray.kill(actor, no_restart=False)  # Ray restarts it; the next sample waits for the new process
+                return self._error("timeout", started, f"no result within reward.timeout_s={self.timeout_s}s; "
+                                   "the reward actor was killed and restarted")
+            except _LOST as err:
+                if attempt == self.retries:
+                    return self._error("worker_crashed", started, f"reward actor died: {type(err).__name__}")
+                _wait_alive(actor, f"reward worker {slot}")
+        raise AssertionError("unreachable")
+
+    def _error(self, code: str, started: float, log: str) -> RewardResult:
+        return RewardResult(total=0.0, components={}, grader_version=self.version, error_code=code,
+                            latency_s=time.perf_counter() - started, log=log)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
 def _wait_alive(actor: Any, what: str) -> None:
     """Block until a restarting actor answers; RoleError once Ray gives up on it.
 
@@ -116,6 +213,7 @@ class RayWorker:
         self._ref: tuple[int, str, Any] | None = None
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        fault_site("rollout.worker", worker=self)  # a worker crash (injected: SIGKILL of this actor's process)
         try:
             return ray.get(self.actor.generate.remote(list(requests)))
         except _LOST as err:
@@ -242,6 +340,17 @@ class RayPlacement:
             for i in range(n)
         ]
         session.learner = self.learner
+        self.local_pool, self.reward_pool = session.reward_pool, None
+        if config.reward.workers > 1:  # graders as actors; the session's process pool waits for the run's end
+            from functools import partial
+
+            from rlctl.engine.session import reward_from_config
+
+            r = config.reward
+            self.reward_pool = RayRewardPool(partial(reward_from_config, config), r.workers, timeout_s=r.timeout_s,
+                                             retries=r.retries, num_cpus=cfg.reward_num_cpus,
+                                             max_restarts=max(cfg.max_restarts, 1))
+            session.reward_pool = self.reward_pool
 
     def workers(self) -> list[RayWorker]:
         return [RayWorker(f"ray-{i}", a) for i, a in enumerate(self.actors)]
@@ -255,6 +364,9 @@ class RayPlacement:
                     pass  # the run is failing anyway; the newest checkpoint holds the state
         finally:
             self.session.learner = self.local_learner
+            if self.reward_pool is not None:
+                self.session.reward_pool = self.local_pool
+                self.reward_pool.close()
             for actor in [self.learner_actor, *self.actors]:
                 ray.kill(actor, no_restart=True)
             remove_placement_group(self.pg)

@@ -14,11 +14,16 @@ sync 0 (batch s is generated with version s, so Δv = 0), one_step_off 1
 ``max_staleness`` with per-group weight pickup; the learner takes batch s in
 draw order in the first two, oldest-first among whatever is ready in async.
 Δv beyond ``max_staleness`` is dropped or reweighted (truncated importance
-sampling) and always counted.
+sampling) and always counted. Partial rollout (``partial_fraction`` < 1): a
+step proceeds once that share of its B groups is ready; the groups still in
+flight carry over to a later step (oldest first), each with the policy version
+it was generated under, so the Δv bound applies to them as to any other.
 
-Failures: a worker whose ``generate`` raises ``WorkerLost`` has its in-flight
-prompts released and claimed again (by any worker); it is restarted and loads
-the current weights before it serves again. A learner that raises
+Failures: a worker whose ``generate`` raises ``WorkerLost`` (the local
+placement maps a backend's RolloutUnavailable / RuntimeError / OSError to it,
+the Ray placement a dead actor) has its in-flight prompts released and claimed
+again (by any worker); after a short backoff it is restarted and loads the
+current weights before it serves again. A learner that raises
 ``LearnerLost`` is recovered through ``recover`` (restore the newest
 checkpoint, including the queue cursor) and training continues from that
 step; the trajectory ledger records the rewind so an audit can rebuild the
@@ -30,7 +35,9 @@ Ray actors) or run bookkeeping (rlctl.ops.train).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -87,6 +94,8 @@ class AsyncSpec:
     queue_ttl_s: float | None = None
     rollout_chunk: int | None = None  # prompts per worker call; None = ceil(B / workers)
     take_timeout_s: float = 600.0
+    queue_segment_bytes: int = 64 << 20
+    partial_fraction: float = 1.0  # a step proceeds once this share of its B groups is ready (1 = all)
     max_worker_restarts: int = 3
     max_learner_restarts: int = 3
     log_every: int = 1
@@ -95,6 +104,8 @@ class AsyncSpec:
     kl_placement: str = "loss"
     normalize_std: bool = True
     truncation_penalty: float | None = 0.0
+    max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
+    critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
 
     @property
     def max_ahead(self) -> int:
@@ -103,6 +114,13 @@ class AsyncSpec:
     @property
     def staleness_bound(self) -> int:
         return self.max_ahead
+
+    @property
+    def min_groups(self) -> int | None:
+        """Partial rollout: the fewest groups a step proceeds with; None = the whole batch."""
+        if self.partial_fraction >= 1:
+            return None
+        return max(1, math.ceil(self.partial_fraction * self.prompts_per_step))
 
     @property
     def capacity(self) -> int:
@@ -115,10 +133,12 @@ class AsyncSpec:
                    group_size=a.group_size, max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                    is_cap=s.is_cap, queue_capacity=s.queue_capacity, queue_ttl_s=s.queue_ttl_s,
                    rollout_chunk=s.rollout_chunk, take_timeout_s=s.take_timeout_s,
+                   queue_segment_bytes=s.queue_segment_bytes, partial_fraction=s.partial_fraction,
                    max_worker_restarts=config.cluster.max_restarts, max_learner_restarts=config.cluster.max_restarts,
                    log_every=config.train.log_every, kl_coef=a.kl.coef, kl_estimator=a.kl.estimator,
                    kl_placement=a.kl.placement, normalize_std=a.normalize_std,
-                   truncation_penalty=config.rollout.truncation_penalty)
+                   truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
+                   critic_warmup_steps=a.critic.warmup_steps)
 
 
 class WeightBoard:
@@ -210,7 +230,7 @@ class AsyncDriver:
     """Owns the producer threads and the learner loop of one overlapped run."""
 
     def __init__(self, session: Any, spec: AsyncSpec, workers: Sequence[RolloutWorker], queue_dir: Path, *,
-                 recover: Recover | None = None) -> None:
+                 recover: Recover | None = None, store: Any = None) -> None:
         if spec.mode not in MODES:
             raise RoleError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
         if spec.capacity < spec.prompts_per_step:
@@ -221,12 +241,17 @@ class AsyncDriver:
         self.recover = recover
         queue_dir.mkdir(parents=True, exist_ok=True)
         self.queue = TrajectoryQueue(queue_dir, capacity=spec.capacity, batch_groups=spec.prompts_per_step,
-                                     max_ahead=spec.max_ahead, ttl_s=spec.queue_ttl_s)
+                                     max_ahead=spec.max_ahead, ttl_s=spec.queue_ttl_s,
+                                     segment_bytes=spec.queue_segment_bytes)
+        self.store = store  # the checkpoint store: compaction keeps the log of every committed checkpoint
+        self._watermarks: dict[int, int] = {}  # steps done -> queue watermark then (what a checkpoint there holds)
         self.ledger = Ledger(queue_dir / "ledger.jsonl")
         self.board = WeightBoard()
         self.counters = _Counters()
         self._claim_lock = threading.Lock()
-        self._requeue: deque[int] = deque()
+        self._score_lock = threading.Lock()
+        self._requeue: deque[int] = deque()  # keys to reserve again (lost in flight before a resume)
+        self._handback: deque[int] = deque()  # keys a dead worker gave back: still reserved, generated next
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -253,9 +278,17 @@ class AsyncDriver:
         self._requeue.extend(sorted(set(range(self._next_key)) - known))
 
     def _claim(self) -> list[int]:
-        """Up to ``chunk`` admitted keys, re-queued ones first; returns [] when stopping."""
+        """Up to ``chunk`` admitted keys, re-queued ones first; [] when none was admitted within 0.2 s or stopping.
+
+        The claim lock is never held across more than one wait: while one
+        producer waits at the admission gate, another whose worker died must
+        be able to give its keys back (holding the lock through the wait
+        deadlocked the two when the gate waited for exactly those keys).
+        """
         keys: list[int] = []
         with self._claim_lock:
+            while self._handback and len(keys) < self.chunk:
+                keys.append(self._handback.popleft())
             while len(keys) < self.chunk and not self._stop.is_set():
                 key = self._requeue[0] if self._requeue else self._next_key
                 waited = time.monotonic()
@@ -264,9 +297,7 @@ class AsyncDriver:
                 except QueueTimeout:
                     with self.counters.lock:
                         self.counters.rollout_wait_s += time.monotonic() - waited
-                    if keys:
-                        break
-                    continue
+                    break  # let go of the lock: a producer whose worker died must give its keys back
                 except QueueError:
                     break
                 with self.counters.lock:
@@ -306,7 +337,11 @@ class AsyncDriver:
                                         "see the worker's log; raise cluster.max_restarts if the failures are "
                                         "transient") from None
                     loaded = -1
-                    worker.restart()
+                    time.sleep(min(5.0, 0.2 * failures))  # give a dying engine (server, actor) time to come back
+                    try:
+                        worker.restart()
+                    except WorkerLost:
+                        pass  # not back yet: the next call fails again and counts as one more failure
                     continue
                 except BaseException:
                     self._give_back(keys)
@@ -319,10 +354,10 @@ class AsyncDriver:
                 self.queue.close()
 
     def _give_back(self, keys: Sequence[int]) -> None:
+        """A dead worker's keys go to the next claim; they stay reserved, so the learner keeps waiting for them
+        (released, a take could find every key below its batch resolved and return a short or empty batch)."""
         with self._claim_lock:
-            for key in keys:
-                self.queue.release(key)
-            self._requeue.extendleft(sorted(keys, reverse=True))
+            self._handback.extendleft(sorted(keys, reverse=True))
         with self.counters.lock:
             self.counters.requeued += len(keys)
 
@@ -331,7 +366,10 @@ class AsyncDriver:
         if len(trajectories) != g * len(keys):
             raise RoleError(f"a rollout worker returned {len(trajectories)} trajectories for {len(keys)} prompts "
                             f"x {g} samples", "the rollout backend must return group_size samples per request")
-        scored, _ = score_all(trajectories, self._answers, self.session.reward, self.spec.truncation_penalty)
+        pool = self.session.reward_pool  # reward.workers > 1: processes (local) or actors (Ray)
+        with self._score_lock if pool is not None else contextlib.nullcontext():  # one producer drives the pool
+            scored, _ = score_all(trajectories, self._answers, self.session.reward, self.spec.truncation_penalty,
+                                  pool=pool)
         groups = []
         now = time.time()
         for i, key in enumerate(keys):
@@ -373,21 +411,39 @@ class AsyncDriver:
                     for sink in sinks:
                         sink.write(step, metrics)
                 if checkpoint is not None:
+                    self._watermarks[step + 1] = self.queue.cursor()["watermark"]  # what a checkpoint here holds
                     try:
                         checkpoint.after_step(step + 1, metrics)
                     except LearnerLost as err:
                         step = self._recover_learner(err)
                         continue
+                    self._compact()
                 if observer is not None:
                     observer(step, metrics)
                 step += 1
         finally:
             self.stop()
             with self._claim_lock:
-                in_flight = sorted(set(self.queue.reserved_keys()) | set(self._requeue))
+                in_flight = sorted(set(self.queue.reserved_keys()) | set(self._requeue) | set(self._handback))
             self.ledger.write({"end": step, "cursor": self.queue.cursor(), "in_flight": in_flight})
             self.ledger.close()
         return metrics
+
+    def _compact(self) -> None:
+        """Delete log segments wholly below the oldest committed checkpoint's cursor (none from before this process).
+
+        A checkpoint saved before this process started (a resume) has an
+        unknown watermark: nothing is compacted until retention removes it.
+        """
+        if self.store is None:
+            return
+        committed = [manifest.step for _, manifest in self.store.list_committed()]
+        if not committed or any(s not in self._watermarks for s in committed):
+            return
+        floor = min(self._watermarks[s] for s in committed)
+        self.queue.compact(floor)
+        for s in [s for s in self._watermarks if s < min(committed)]:
+            del self._watermarks[s]
 
     def _recover_learner(self, err: BaseException) -> int:
         while True:
@@ -428,14 +484,16 @@ class AsyncDriver:
             raise RoleError(f"step {step} has no trajectory group left to train on (dropped: {taken.drops})",
                             "raise staleness.queue_ttl_s or staleness.max_staleness")
         t1 = time.perf_counter()
-        scored = [t for g in taken.groups for t in g.trajectories]
-        rewards, valid = group_rewards(scored, spec.group_size)  # [B', G]
+        groups, rewards, valid, no_signal = self._signal(taken.groups)  # rewards, valid: [B', G]
+        kept_ids = {g.group_id for g in groups}
+        staleness = [dv for g, dv in zip(taken.groups, taken.staleness) if g.group_id in kept_ids]
+        scored = [t for g in groups for t in g.trajectories]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
         prox = s.learner.logprobs(batch).float()  # [N, T]: the learner's policy before this update
         dlag = lag_divergence(prox, batch.behavior_logprobs, batch.action_mask).tolist()  # [N]
         weight = torch.ones_like(batch.action_mask)  # [N, T]
         if taken.weighted:
-            rows = [i for i, g in enumerate(taken.groups) if g.group_id in set(taken.weighted)
+            rows = [i for i, g in enumerate(groups) if g.group_id in set(taken.weighted)
                     for i in range(i * spec.group_size, (i + 1) * spec.group_size)]
             w = truncated_is_weights(prox, batch.behavior_logprobs, batch.action_mask, spec.is_cap)
             weight[rows] = w[rows]
@@ -444,16 +502,21 @@ class AsyncDriver:
             batch = replace(batch, behavior_logprobs=behavior)
         est = estimate(estimator=s.estimator, batch=batch, rewards=rewards, valid=valid,
                        kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
-                       ref_logprobs=s.learner.ref_logprobs, values=None)
+                       ref_logprobs=s.learner.ref_logprobs, values=s.critic.values if s.critic is not None else None)
         advantages, adv_stats = est.advantages.float() * weight, est.stats  # [N, T]
         batch = replace(batch, advantages=advantages)
-        learner_stats = s.learner.train_step(batch)
+        learner_stats: dict[str, float] = {}
+        if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
+            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
+            learner_stats.update(s.learner.train_step(batch))
         t2 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
         self.queue.set_version(s.learner.policy_version)
         t3 = time.perf_counter()
-        self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in taken.groups],
-                           "dropped": taken.dropped_ids, "weighted": taken.weighted, "staleness": taken.staleness})
+        self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],
+                           "dropped": taken.dropped_ids + no_signal, "weighted": taken.weighted,
+                           "staleness": staleness})
         with self.counters.lock:
             generated = self.counters.generated_tokens - tokens0
             rollout_wait = (self.counters.rollout_wait_s - wait0) / max(1, len(self.workers))
@@ -465,7 +528,7 @@ class AsyncDriver:
                                verify_latencies=[], learner_version=s.learner.policy_version,
                                times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2},
                                trained_version=version)
-        metrics.update(overlap_metrics(staleness=[dv for dv in taken.staleness for _ in range(spec.group_size)],
+        metrics.update(overlap_metrics(staleness=[dv for dv in staleness for _ in range(spec.group_size)],
                                        dlag=dlag, latencies=latencies, bound=spec.staleness_bound))
         stats = self.queue.stats()
         metrics.update({
@@ -473,13 +536,37 @@ class AsyncDriver:
             "effective_tokens_per_s": (generated / wall if wall > 0 else 0.0) * metrics["esr"],
             "learner_wait_s": taken.waited_s, "rollout_wait_s": rollout_wait,
             "queue_depth": float(stats.depth), "queue_age_s": float(stats.oldest_age_s),
-            "queue_duplicates": float(stats.duplicates), "groups_trained": float(len(taken.groups)),
+            "queue_duplicates": float(stats.duplicates), "groups_trained": float(len(groups)),
+            "ds_dropped_groups": float(len(no_signal)),
             "reweighted_groups": float(len(taken.weighted)), "rollout_worker_failures": float(failures),
             "requeued_prompts": float(requeued), "learner_restarts": float(self.learner_restarts),
+            # partial rollout: groups of this step's batch left in flight for a later step (0 when waiting for all)
+            "partial_carried_groups": float(max(0, spec.prompts_per_step - len(taken.groups)
+                                                - len(taken.dropped_ids))),
         })
         for reason in DROP_REASONS:
             metrics[f"queue_drops_{reason}"] = float(stats.drops[reason])
         return metrics
+
+    def _signal(self, taken: Sequence[Group]) -> tuple[list[Group], Any, Any, list[str]]:
+        """Shaped rewards of the taken groups, less those the estimator filters out (DAPO's zero-signal groups).
+
+        When no group carries signal, all are trained (zero advantages, zero
+        gradient), as in the synchronous loop. Filtered ids go to the ledger as dropped.
+        """
+        import torch
+
+        s, g = self.session, self.spec.group_size
+        scored = [t for group in taken for t in group.trajectories]
+        rewards, valid = group_rewards(scored, g)  # [B', G]
+        lengths = torch.tensor([t.num_response_tokens for t in scored]).view_as(rewards)
+        rewards = s.estimator.shape_rewards(rewards, lengths, self.spec.max_tokens)
+        keep = s.estimator.keep_groups(rewards, valid)  # [B'] bool
+        if bool(keep.all()) or not bool(keep.any()):
+            return list(taken), rewards, valid, []
+        kept = [i for i in range(len(taken)) if bool(keep[i])]
+        return ([taken[i] for i in kept], rewards[kept], valid[kept],
+                [taken[i].group_id for i in range(len(taken)) if not bool(keep[i])])
 
     def _take(self, version: int, key_below: int | None) -> Any:
         deadline = time.monotonic() + self.spec.take_timeout_s
@@ -489,6 +576,7 @@ class AsyncDriver:
             try:
                 return self.queue.take(self.spec.prompts_per_step, version, max_staleness=self.spec.staleness_bound,
                                        stale_policy=self.spec.stale_policy, key_below=key_below,
+                                       min_groups=self.spec.min_groups,
                                        timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except QueueError as err:
                 if self._error is not None:  # a producer failed and closed the queue: report its error
@@ -558,6 +646,7 @@ def audit(queue_dir: Path) -> Audit:
     queue = TrajectoryQueue(queue_dir)
     try:
         logged = {g.group_id: g for g in queue._iter_log()}
+        compacted = queue.known_keys() - {g.key for g in logged.values()}
     finally:
         queue.close()
     done = set(trained) | dropped
@@ -569,7 +658,7 @@ def audit(queue_dir: Path) -> Audit:
             if gid not in done and (group.seq < cursor["watermark"] or group.seq in consumed):
                 lost.append(gid)  # the cursor says consumed, the history never trained or dropped it
         top = max((logged[g].key for g in done if g in logged), default=-1)
-        keys = {g.key for g in logged.values()} | set(final.get("in_flight", ()))
+        keys = {g.key for g in logged.values()} | compacted | set(final.get("in_flight", ()))
         lost += [f"d{k}" for k in range(top + 1) if k not in keys]  # a drawn prompt never acknowledged
     staleness = [dv for k in history for dv in history[k].get("staleness", ())]
     return Audit(steps=len(history), trained=len(trained), double_counted=len(trained) - len(set(trained)),

@@ -8,7 +8,11 @@ fault is armed there (``arm``, done by rlctl.ops.faults from a run's
 exception (``torch.OutOfMemoryError``, ``TimeoutError``), kill the process, or
 return a replacement for ``value`` (a poisoned loss). Sites: ``learner.alloc``,
 ``learner.loss``, ``learner.train_step``, ``verifier.score``,
-``rollout.generate``.
+``rollout.generate``, ``checkpoint.committed``, ``weights.write`` (a shard
+write of a weight publish), and in the ``sglang`` backend
+``rollout.connect`` (the URL an HTTP call goes to), ``rollout.dispatch``
+(before a step's prompt groups go to the servers) and ``weights.published``
+(a committed version before the servers load it).
 
 Recovery reports. Roles (plugins included) call ``report_recovery(kind,
 message, data)`` when they recover from a failure on their own (an OOM retried

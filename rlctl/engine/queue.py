@@ -31,6 +31,11 @@ before generating; reservations plus buffered groups never exceed
 version waits. ``put`` of an unreserved group blocks (or, with ``block=False``,
 raises ``QueueFull``) while the queue is full.
 
+Compaction: ``compact(below_seq)`` deletes whole segments below the oldest
+kept checkpoint's watermark (the overlapped driver calls it after a checkpoint
+commits). The draw keys they held stay known through ``compacted.json``, so a
+resume neither regenerates nor retrains them.
+
 What this is not: scheduling (rlctl.engine.async_loop) or transport (dist/).
 """
 
@@ -210,6 +215,53 @@ def scan_segment(path: Path, *, last: bool) -> tuple[list[tuple[int, bytes]], in
     return out, None
 
 
+@dataclass(frozen=True)
+class Compacted:
+    """What compaction removed from the log: everything below ``below_seq``; ``ranges`` are its draw keys.
+
+    Kept in ``compacted.json`` beside the segments. Keys are stored as
+    inclusive ``[first, last]`` ranges: draw keys are nearly contiguous, so
+    the file stays a few lines however long the run.
+    """
+
+    below_seq: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    FILE = "compacted.json"
+
+    def keys(self) -> set[int]:
+        return {k for lo, hi in self.ranges for k in range(lo, hi + 1)}
+
+    def extended(self, keys: Iterable[int], below_seq: int) -> "Compacted":
+        merged: list[list[int]] = []
+        for key in sorted(self.keys() | set(keys)):
+            if merged and key == merged[-1][1] + 1:
+                merged[-1][1] = key
+            else:
+                merged.append([key, key])
+        return Compacted(below_seq=max(self.below_seq, below_seq), ranges=tuple((a, b) for a, b in merged))
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / (self.FILE + ".tmp")
+        tmp.write_text(json.dumps({"below_seq": self.below_seq, "key_ranges": [list(r) for r in self.ranges]}))
+        fsync_path(tmp)
+        os.replace(tmp, directory / self.FILE)
+        fsync_path(directory)
+
+    @classmethod
+    def load(cls, directory: Path) -> "Compacted":
+        path = directory / cls.FILE
+        if not path.is_file():
+            return cls()
+        try:
+            body = json.loads(path.read_text())
+            return cls(below_seq=int(body["below_seq"]),
+                       ranges=tuple((int(a), int(b)) for a, b in body["key_ranges"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise QueueCorruptError(f"{path} is unreadable ({err})",
+                                    "restore the run directory from a backup") from None
+
+
 class TrajectoryQueue:
     """A durable FIFO of trajectory groups with idempotent puts, TTL, staleness control and back-pressure.
 
@@ -239,6 +291,7 @@ class TrajectoryQueue:
         self._segment_size = 0
         self.recovered_torn_bytes = 0
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._compacted = Compacted.load(self.directory)
         self._replay()
 
     # -- recovery --------------------------------------------------------------------
@@ -294,6 +347,11 @@ class TrajectoryQueue:
         watermark = int(cursor["watermark"])
         resolved = {int(s) for s in cursor.get("resolved", ())}
         with self._cond:
+            if watermark < self._compacted.below_seq:
+                raise QueueError(
+                    f"the checkpoint's queue cursor (watermark {watermark}) points into trajectory-log segments "
+                    f"that were compacted away (everything below sequence {self._compacted.below_seq})",
+                    "resume from a newer checkpoint: compaction keeps the log of every checkpoint the run keeps")
             if watermark > self._next_seq or any(s >= self._next_seq for s in resolved):
                 raise QueueError(
                     f"the checkpoint's queue cursor (watermark {watermark}) is beyond the trajectory log, which "
@@ -428,7 +486,8 @@ class TrajectoryQueue:
     # -- consumer side -------------------------------------------------------------------
 
     def take(self, n: int, current_version: int, *, max_staleness: int | None = None,
-             stale_policy: str = "drop", key_below: int | None = None, timeout: float | None = None) -> TakeResult:
+             stale_policy: str = "drop", key_below: int | None = None, min_groups: int | None = None,
+             timeout: float | None = None) -> TakeResult:
         """Take ``n`` groups for the learner at ``current_version``, oldest draw key first.
 
         A group older than ``ttl_s`` is dropped (reason ``ttl``). A group with
@@ -438,7 +497,9 @@ class TrajectoryQueue:
         (generated before a learner restart rolled the version back) is dropped
         (``orphaned``). With ``key_below`` only groups of smaller draw key are
         eligible and the call returns early (with fewer than ``n``) once every
-        such key is resolved. Blocks until then or until ``timeout``.
+        such key is resolved. With ``min_groups`` (partial rollout) it also
+        returns once at least that many groups are taken and no other eligible
+        one is ready yet. Blocks until then or until ``timeout``.
         """
         if stale_policy not in ("drop", "reweight"):
             raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
@@ -476,6 +537,8 @@ class TrajectoryQueue:
                         dropped.append(group.group_id)
                 if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below)):
                     break
+                if min_groups is not None and len(taken) >= min_groups:
+                    break  # partial rollout: the rest of the batch carries over
                 self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
             self._cond.notify_all()
         return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,
@@ -523,21 +586,45 @@ class TrajectoryQueue:
             return group_id in self._known
 
     def known_keys(self) -> set[int]:
-        """Draw keys of every group in the log (a resumed producer skips these)."""
+        """Draw keys of every group ever acknowledged: in the log, or in segments compacted away.
+
+        A resumed producer skips these (it regenerates only keys that were
+        drawn but never acknowledged).
+        """
         with self._lock:
-            return {g.key for g in self._iter_log()}
+            return {g.key for g in self._iter_log()} | self._compacted.keys()
+
+    @property
+    def compacted_below(self) -> int:
+        """Log sequences below this were compacted away (0: nothing compacted)."""
+        return self._compacted.below_seq
 
     def compact(self, below_seq: int) -> list[Path]:
-        """Delete whole segments whose records are all below ``below_seq`` (the oldest kept checkpoint's watermark)."""
-        removed = []
+        """Delete whole segments whose records are all below ``below_seq`` (the oldest kept checkpoint's watermark).
+
+        Before a segment goes, the draw keys it held are added to
+        ``compacted.json`` (written atomically and fsynced), so ``known_keys``
+        still answers for them and a resume never regenerates (and trains
+        again) a prompt whose group was compacted away.
+        """
+        removed: list[Path] = []
         with self._lock:
             segs = self.segments()
-            for path, following in zip(segs, segs[1:]):
-                if int(following.stem.split("-")[1]) <= below_seq:
-                    path.unlink()
-                    removed.append(path)
-            if removed:
-                fsync_path(self.directory)
+            doomed = [path for path, following in zip(segs, segs[1:])
+                      if int(following.stem.split("-")[1]) <= below_seq]
+            if not doomed:
+                return removed
+            keys = set()
+            for path in doomed:
+                for _, payload in scan_segment(path, last=False)[0]:
+                    keys.add(int(json.loads(payload)["key"]))
+            first_kept = int(segs[len(doomed)].stem.split("-")[1])
+            self._compacted = self._compacted.extended(keys, first_kept)
+            self._compacted.save(self.directory)  # durable before any segment is deleted
+            for path in doomed:
+                path.unlink()
+                removed.append(path)
+            fsync_path(self.directory)
         return removed
 
     def close(self) -> None:

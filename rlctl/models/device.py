@@ -7,6 +7,11 @@ laptop and on a GPU node. Asking for CUDA where there is none (or for a GPU
 index that does not exist) is a ConfigError naming the setting and the fix,
 never a CUDA traceback from deep inside a forward.
 
+``placed(device)`` makes new tensors land on ``device`` inside a block; on
+the CPU, where they land anyway, it does nothing: ``with torch.device(...)``
+is a TorchFunctionMode that intercepts every torch call, which costs 15-20%
+of a tiny model's decode step (measured: 64 rows x 32 tokens, 742 vs 633 ms).
+
 What this is not: placement policy (which role gets which GPU); the config says that.
 """
 
@@ -48,3 +53,10 @@ def resolve_device(spec: str, where: str = "device") -> Any:
         raise ConfigError(f"{where} is {spec!r} but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})",
                           f"pick an index below {count}, or check CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", index)
+
+
+def placed(device: Any) -> Any:
+    """A context that puts new tensors on ``device``; a no-op on the CPU (the default device already)."""
+    import contextlib
+
+    return contextlib.nullcontext() if device.type == "cpu" else device

@@ -17,6 +17,17 @@ registry events and metrics and decides pass / fail:
   hang             rollout stalls 30 s, watchdog 2 s      hang event naming phase generate within 12 s of
                                                           the stall, run stopped non-zero (not hung)
 
+The rollout-side drills run the same tiny config with ``rollout.backend:
+sglang`` against ``rlctl serve rollout`` processes the drill starts on
+127.0.0.1 (the far side a real SGLang server would be):
+
+  worker-crash     SIGKILL of one of 2 servers at step 2  rollout_server_lost event, its groups generated
+                                                          again on the other, run succeeded
+  network-partition no server reachable for 3 s from      rollout_partition + rollout_reconnected events,
+                   step 2 (connections refused)           run succeeded, no step generated twice
+  weight-sync      a byte of the step-2 weight version    weight_sync_failed + weight_sync_recovered events,
+                   flipped before the server loads it     rollout/learner log-probs equal at every step
+
 Each result reports time to recover (from the fault's event to the recovery's
 event), steps lost (steps re-run), trajectories lost (dropped and counted)
 or duplicated (steps recorded twice), and metric continuity (every step
@@ -38,7 +49,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from rlctl.ops.inject import fault_override
 
 DRILL_STEPS = 8
 DRILL_OVERRIDES = (
@@ -49,7 +59,8 @@ DRILL_OVERRIDES = (
     "eval.at_end=false", "train.deterministic=true", "checkpoint.every_steps=2", "checkpoint.keep_last=3",
     "checkpoint.async_save=false", "train.metric_sinks=[jsonl]",
 )
-KINDS = ("oom", "verifier-timeout", "nan", "learner-crash", "bad-checkpoint", "hang")
+KINDS = ("oom", "verifier-timeout", "nan", "learner-crash", "bad-checkpoint", "hang", "worker-crash",
+         "network-partition", "weight-sync")
 
 
 @dataclass
@@ -119,6 +130,23 @@ class _Driller:
         wall = time.perf_counter() - started
         return self._collect(run_dir, done.returncode, wall, done.stderr)
 
+    def servers(self, n: int) -> list["_Server"]:
+        """``n`` fresh ``rlctl serve rollout`` processes on 127.0.0.1 serving the drill's starting policy."""
+        if not hasattr(self, "_policy_dir"):
+            from rlctl.cli._options import rlctl_home
+            from rlctl.config.load import load_config
+            from rlctl.engine.session import load_task, resolve_policy_dir
+            from rlctl.hooks.manager import load_plugins
+
+            cfg = load_config(self.config or self._blank_config(), [*DRILL_OVERRIDES, *self.overrides])
+            self._policy_dir = resolve_policy_dir(cfg, load_task(cfg, load_plugins()), rlctl_home() / "cache")
+        return [_Server(self._policy_dir, self.workdir, self.env) for _ in range(n)]
+
+    def sglang(self, name: str, servers: list["_Server"], faults: list[dict[str, Any]]) -> _Run:
+        options = {"servers": [s.url for s in servers], "publish_dir": str(self.workdir / name / "pub"),
+                   "retries": 3, "retry_backoff_s": 0.2, "reconnect_timeout_s": 60}
+        return self.train(name, faults, "rollout.backend=sglang", f"rollout.options={json.dumps(options)}")
+
     def _blank_config(self) -> Path:
         path = self.workdir / "defaults.yaml"
         path.write_text("# rlctl drill: the built-in defaults, made tiny by the drill's overrides\n{}\n")
@@ -140,6 +168,43 @@ class _Driller:
         if run_id is None:
             self.say(f"drill run in {run_dir} did not start: {stderr[-500:]}")
         return _Run(run_id, code, run_dir, events, steps, jsonl_steps, wall)
+
+
+class _Server:
+    """One ``rlctl serve rollout`` child process (stopped by the drill that started it)."""
+
+    def __init__(self, model_dir: Path, workdir: Path, env: dict[str, str]) -> None:
+        import select
+
+        self.log = open(workdir / f"serve-{time.monotonic_ns()}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlctl.cli.app", "serve", "rollout", "--model",
+                                      str(model_dir), "--host", "127.0.0.1", "--port", "0", "--batch-wait-ms", "5"],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], 0.5)[0]:
+                line = self.proc.stdout.readline()
+                if "listening on" in line:
+                    self.url = line.split("listening on ", 1)[1].split()[0]
+                    return
+                if not line:
+                    break
+        self.stop()
+        self.log.seek(0)
+        raise RuntimeError(f"rlctl serve rollout did not start: {self.log.read()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
 
 
 def _gap(a: Any, b: Any) -> float | None:
@@ -227,9 +292,70 @@ def drill_hang(d: _Driller) -> DrillResult:
                        run.steps == list(range(2)), run.run_id, run.wall_s, detail)
 
 
+def _mismatch_ok(run: _Run, registry_url: str) -> bool:
+    """Rollout and learner log-probs agreed at every step: no sample came from old or half-applied weights."""
+    from rlctl.registry.store import Registry
+
+    if run.run_id is None:
+        return False
+    with Registry.open(registry_url) as reg:
+        values = [p.value for p in reg.metrics(run.run_id, ["logprob_mismatch_max"])]
+    return len(values) == DRILL_STEPS and max(values) <= 1e-4
+
+
+def drill_worker_crash(d: _Driller) -> DrillResult:
+    servers = d.servers(2)
+    try:
+        run = d.sglang("worker-crash", servers, [{"kind": "worker-crash", "at_step": 2}])
+        killed = servers[0].proc.wait(timeout=30) == -9
+    finally:
+        for server in servers:
+            server.stop()
+    fault, lost = run.first("fault_injected"), run.all("rollout_server_lost")
+    groups = sum(int(e.data.get("groups", 0)) for e in lost)
+    ok = run.succeeded and killed and bool(lost) and run.continuity
+    detail = (f"server {servers[0].url} SIGKILLed at step 2; its {groups} prompt group(s) generated again on "
+              f"{servers[1].url}" if lost else f"no rollout_server_lost event (exit {run.exit_code})")
+    return DrillResult("worker-crash", ok, "yes" if ok else "no", _gap(fault, lost[0] if lost else None), 0, 0,
+                       run.duplicated_steps * 16, run.continuity, run.run_id, run.wall_s, detail)
+
+
+def drill_partition(d: _Driller) -> DrillResult:
+    [server] = d.servers(1)
+    try:
+        run = d.sglang("network-partition", [server], [{"kind": "network-partition", "at_step": 2,
+                                                          "options": {"duration_s": 3.0}}])
+    finally:
+        server.stop()
+    fault, paused, back = run.first("fault_injected"), run.first("rollout_partition"), run.first("rollout_reconnected")
+    ok = run.succeeded and paused is not None and back is not None and run.continuity
+    detail = (f"no server reachable for 3 s at step 2: generation paused, reconnected after "
+              f"{back.data.get('down_s')}s and resumed at the current weight version"
+              if back else f"no reconnect (exit {run.exit_code})")
+    return DrillResult("network-partition", ok, "yes" if ok else "no", _gap(fault, back), 0, 0,
+                       run.duplicated_steps * 16, run.continuity, run.run_id, run.wall_s, detail)
+
+
+def drill_weight_sync(d: _Driller) -> DrillResult:
+    [server] = d.servers(1)
+    try:
+        run = d.sglang("weight-sync", [server], [{"kind": "weight-sync-failure", "at_step": 2}])
+    finally:
+        server.stop()
+    fault, failed, rec = run.first("fault_injected"), run.all("weight_sync_failed"), run.first("weight_sync_recovered")
+    same = _mismatch_ok(run, d.registry_url)
+    ok = run.succeeded and bool(failed) and rec is not None and run.continuity and same
+    detail = (f"the step-2 weight version was refused by the server ({len(failed)} failed tries), written again and "
+              f"confirmed after {rec.data.get('tries')} tries; rollout/learner log-probs equal at every step: "
+              f"{'yes' if same else 'NO'}" if rec else f"no weight_sync_recovered event (exit {run.exit_code})")
+    return DrillResult("weight-sync", ok, "yes" if ok else "no", _gap(fault, rec), 0, 0, run.duplicated_steps * 16,
+                       run.continuity and same, run.run_id, run.wall_s, detail)
+
+
 DRILLS: dict[str, Callable[[_Driller], DrillResult]] = {
     "oom": drill_oom, "verifier-timeout": drill_verifier, "nan": drill_nan, "learner-crash": drill_crash,
-    "bad-checkpoint": drill_bad_checkpoint, "hang": drill_hang,
+    "bad-checkpoint": drill_bad_checkpoint, "hang": drill_hang, "worker-crash": drill_worker_crash,
+    "network-partition": drill_partition, "weight-sync": drill_weight_sync,
 }
 
 

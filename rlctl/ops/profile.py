@@ -37,6 +37,8 @@ STAGES = ("T_r", "T_v", "T_l", "T_s")
 WALL_METRIC = "profile/step_wall_s"  # written by profile_config so `rlctl profile RUN` can show coverage later
 PROFILE_DEFAULTS = ("train.steps=5", "eval.at_end=false", "checkpoint.every_steps=0", "train.metric_sinks=[]")
 COVERAGE_TOLERANCE = 0.05
+# What the overlapped driver (mode one_step_off / async, or the Ray placement) logs about each side's waiting.
+OVERLAP_METRICS = ("learner_wait_s", "rollout_wait_s", "rollout_latency_p50_s", "staleness_mean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class StepTimes:
     generated_tokens: float
     learned_tokens: float
     effective_tokens: float
+    overlap: dict[str, float] = field(default_factory=dict)  # OVERLAP_METRICS of an overlapped run's step
 
     @property
     def stage_sum(self) -> float:
@@ -131,7 +134,10 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
     if any(s.wall_s is None for s in steps):
         notes.append("per-step wall time was not recorded for this run (only `rlctl profile CONFIG` records it); "
                      "the stage sum stands in for the wall time and 'other' is unknown")
-    placements = [measured_placement(steps)]
+    overlap = overlap_note(steps)
+    if overlap:
+        notes.append(overlap)
+    placements = [measured_placement(steps, "overlapped" if overlap else "sync")]
     for name in compare:
         if name.startswith("split"):
             placements += split_estimates(steps, name)
@@ -147,7 +153,8 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
 
 
 def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
-    names = [*STAGES, WALL_METRIC, "generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s"]
+    names = [*STAGES, WALL_METRIC, "generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s",
+             *OVERLAP_METRICS]
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
     for point in registry.metrics(run_id, names=names):
         by_step[point.step][point.name] = point.value
@@ -155,25 +162,43 @@ def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
     if not rows:
         raise RegistryError(f"run {run_id} has no per-step stage times (T_r, T_v, T_l, T_s)",
                             "profile a run trained by this version of rlctl, or profile its CONFIG")
+    # the overlapped driver's tokens/s are per step (its T_r is a wait), the synchronous loop's per T_r
+    per = {step: sum(m[k] for k in STAGES) if "learner_wait_s" in m else m["T_r"] for step, m in rows}
     return [StepTimes(step=step, stages={k: m[k] for k in STAGES}, wall_s=m.get(WALL_METRIC),
-                      generated_tokens=m.get("generated_tokens_per_s", 0.0) * m["T_r"],
+                      generated_tokens=m.get("generated_tokens_per_s", 0.0) * per[step],
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
-                      effective_tokens=m.get("effective_tokens_per_s", 0.0) * m["T_r"]) for step, m in rows]
+                      effective_tokens=m.get("effective_tokens_per_s", 0.0) * per[step],
+                      overlap={k: m[k] for k in OVERLAP_METRICS if k in m}) for step, m in rows]
 
 
 def _mean_stages(steps: Sequence[StepTimes]) -> dict[str, float]:
     return {k: statistics.fmean(s.stages[k] for s in steps) for k in STAGES}
 
 
-def measured_placement(steps: Sequence[StepTimes]) -> PlacementProfile:
+def overlap_note(steps: Sequence[StepTimes]) -> str:
+    """For an overlapped run: what T_r means there, and how long each side waited for the other."""
+    if not all("learner_wait_s" in s.overlap for s in steps):
+        return ""
+    mean = lambda k: statistics.fmean(s.overlap.get(k, 0.0) for s in steps)  # noqa: E731
+    t_l = statistics.fmean(s.stages["T_l"] for s in steps)
+    return (f"overlapped run: T_r is the learner's wait for a batch (mean {mean('learner_wait_s'):.3g}s/step), not "
+            f"generation time; each rollout worker waited {mean('rollout_wait_s'):.3g}s/step for queue space or "
+            f"admission; a worker call took {mean('rollout_latency_p50_s'):.3g}s (median); mean dv "
+            f"{mean('staleness_mean'):.2f}. The learner is busy {t_l:.3g}s/step (T_l): when it hardly waits yet T_l "
+            "is above that of the same config at mode=sync, rollout and learner are competing for the same cores "
+            "(or, with the local placement's threads, the GIL); overlap then hides no time")
+
+
+def measured_placement(steps: Sequence[StepTimes], mode: str = "sync") -> PlacementProfile:
     st = _mean_stages(steps)
     walls = [s.wall_s if s.wall_s is not None else s.stage_sum for s in steps]
     step_s = statistics.fmean(walls)
     other = max(0.0, step_s - sum(st.values()))
     order = " -> ".join(f"{k} {st[k]:.3g}s" for k in STAGES) + (f" -> other {other:.3g}s" if other else "")
     gen = statistics.fmean(s.generated_tokens for s in steps)
-    return PlacementProfile(placement="colocate", mode="sync", measured=True, stages=st, step_s=step_s,
-                            critical_path=f"{order} (serial; bottleneck {max(st, key=st.get)})",
+    shape = "serial" if mode == "sync" else "rollout overlapped, T_r = learner wait"
+    return PlacementProfile(placement="colocate", mode=mode, measured=True, stages=st, step_s=step_s,
+                            critical_path=f"{order} ({shape}; bottleneck {max(st, key=st.get)})",
                             u_pipe=(st["T_r"] + st["T_l"]) / step_s, generated_tokens_per_s=gen / step_s)
 
 

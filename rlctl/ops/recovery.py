@@ -7,9 +7,10 @@ loop. It
   the fault plugins, recording every firing as a ``fault_injected`` event (a
   fault that already fired at a step never fires again when that step is
   re-run after a crash, restart or rollback);
-- after each step, turns the recoveries roles reported (``oom_recovered``...)
-  and the step's recovery counters (dropped groups, verifier retries) into
-  registry events, so no recovery is silent;
+- after each step, turns the recoveries roles reported (``oom_recovered``,
+  ``rollout_server_lost``...) and the step's recovery counters (dropped
+  groups, verifier retries, rollout worker failures) into registry events, so
+  no recovery is silent;
 - after ``faults.nan_rollback_after`` NaN/Inf-skipped steps in a row, rolls the
   session back to the newest committed checkpoint, lowers the learning rate by
   ``faults.rollback_lr_factor`` and requires the next step (the canary) to be
@@ -61,6 +62,7 @@ class RunGuard:
         self.nan_streak = 0
         self.last_nan_count: float | None = None
         self.rollbacks = 0
+        self.worker_failures = 0.0  # rollout_worker_failures already turned into events
         self.canary = False
         self._disarm: list[Callable[[], None]] = []
         self._num_armed = 0
@@ -148,20 +150,29 @@ class RunGuard:
             self.registry.add_event(self.run_id, kind, message, data)
             recorded.append(_Event(kind, message, data))
         m = metrics or {}
-        if m.get("groups_dropped", 0) > 0:
-            message = (f"step {step}: dropped {m['groups_dropped']:.0f} whole group(s) with a sample the grader could "
-                       f"not score after {self.config.verifier_retries} retries (not scored 0, not trained)")
-            data = {"step": step, "groups_dropped": int(m["groups_dropped"]),
-                    "verifier_retries": int(m.get("verifier_retries", 0))}
-            self.registry.add_event(self.run_id, "groups_dropped", message, data)
-            recorded.append(_Event("groups_dropped", message, data))
-        if m.get("verifier_retries", 0) > 0:
-            message = (f"step {step}: {m['verifier_retries']:.0f} grader retries with a fresh grader, "
-                       f"{m.get('verifier_recovered', 0):.0f} sample(s) recovered")
-            data = {"step": step, "retries": int(m["verifier_retries"]),
-                    "recovered": int(m.get("verifier_recovered", 0))}
-            self.registry.add_event(self.run_id, "verifier_retry", message, data)
-            recorded.append(_Event("verifier_retry", message, data))
+        for kind, counter, message, data in (
+            ("groups_dropped", "groups_dropped",
+             "dropped {groups_dropped} whole group(s) with a sample the grader could not score after "
+             f"{self.config.verifier_retries} retries (not scored 0, not trained)",
+             {"groups_dropped": "groups_dropped", "verifier_retries": "verifier_retries"}),
+            ("verifier_retry", "verifier_retries",
+             "{retries} grader retries with a fresh grader, {recovered} sample(s) recovered",
+             {"retries": "verifier_retries", "recovered": "verifier_recovered"}),
+        ):
+            if m.get(counter, 0) > 0:
+                values = {key: int(m.get(name, 0)) for key, name in data.items()}
+                event = _Event(kind, f"step {step}: " + message.format(**values), {"step": step, **values})
+                self.registry.add_event(self.run_id, kind, event.message, event.data)
+                recorded.append(event)
+        failures = m.get("rollout_worker_failures", 0)  # overlapped runs: a cumulative count per process
+        if failures > self.worker_failures:
+            lost, self.worker_failures = int(failures - self.worker_failures), failures
+            event = _Event("rollout_worker_lost", f"step {step}: {lost} rollout worker failure(s); their in-flight "
+                           f"prompts were re-queued ({int(m.get('requeued_prompts', 0))} so far) and the worker "
+                           f"restarted before serving again", {"step": step, "failures": lost,
+                                                               "requeued_prompts": int(m.get("requeued_prompts", 0))})
+            self.registry.add_event(self.run_id, event.kind, event.message, event.data)
+            recorded.append(event)
         return recorded
 
     def _check_nan(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -218,9 +218,11 @@ class Run:
                 from rlctl.dist import needs_overlap, run_overlapped
 
                 spec = LoopSpec.from_config(config)
-                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver
-                    last = run_overlapped(session, self.plugins, self.dir.root, sinks, self._on_step,
-                                          start_step=start_step, checkpoint=checkpointer, store=checkpointer.store)
+                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver,
+                    # under the same guard (NaN rollback re-enters it from the restored checkpoint and queue cursor)
+                    last = self._guard.run(lambda first: run_overlapped(
+                        session, self.plugins, self.dir.root, sinks, self._on_step, start_step=first,
+                        checkpoint=checkpointer, store=checkpointer.store), start_step, checkpointer)
                 else:
                     last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step,
                                                                   start_step=first, checkpoint=checkpointer),

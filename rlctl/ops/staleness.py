@@ -13,21 +13,32 @@ drawn from the workload's distribution (empirical lengths from a smoke run,
 or a heavy-tailed one), so the tail of the length distribution drives both
 the stragglers and the staleness.
 
+Contention: with ``cores`` set, the busy activities (every worker call in
+flight and the learner's step) share that much compute by processor sharing:
+each progresses at min(1, cores / number busy) of its isolated speed. Without
+it every activity runs at full speed in parallel (separate devices). On the
+local placement rollout workers are threads of the learner's process, and a
+small model's decode and train steps are Python-bound, so they share one GIL:
+``cores=1`` (``contention_cores``); a Ray placement shares the cluster's CPUs.
+Sharing that keeps every activity busy slows all of them alike, so it moves
+the predicted throughput (steps/s) much more than Δv; Δv moves when the
+sharing is uneven, which this model does not capture (the benchmark prints
+how far the prediction misses).
+
 Output: mean / P95 Δv of trained groups, the drop rate, each side's waiting
 share, and steps per second. ``rlctl dryrun`` prints it for overlapped
 configs and bench/async_vs_sync.py prints it next to the measured values.
 
-What this is not: a model of the GIL, of CPU contention between threads on
-shared cores, or of weight-transfer cost beyond ``sync_s``.
+What this is not: a model of memory bandwidth, of GPU kernels, or of
+weight-transfer cost beyond ``sync_s``.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +55,8 @@ class SimParams:
     call_s: float = 0.0  # fixed cost per worker call (prefill, scoring, queue append)
     sync_s: float = 0.0  # weight publish per step (learner side)
     steps: int = 200
+    cores: float | None = None  # compute shared by all busy activities (processor sharing); None = no contention
+    min_groups: int | None = None  # partial rollout: a step proceeds with this many ready groups; None = all B
 
     @property
     def max_ahead(self) -> int:
@@ -58,6 +71,7 @@ class Prediction:
     learner_wait_share: float
     rollout_wait_share: float
     steps_per_s: float
+    groups_per_s: float  # trained groups per second (steps_per_s x B unless partial rollout trains fewer)
     utilisation: float  # rollout demand / learner capacity: > 1 means rollout-bound
 
 
@@ -67,25 +81,22 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
     rng = random.Random(seed)
     b, ahead = p.prompts_per_step, p.max_ahead
     now = 0.0
-    events: list[tuple[float, int, str, int]] = []  # (time, order, kind, worker)
-    order = 0
+    jobs: dict[int, list] = {}  # -1 = the learner's step, w >= 0 = worker w's call: [work left, keys, version]
     version = step = next_key = 0
     pending: dict[int, int] = {}  # key -> policy version of its group
-    in_flight: dict[int, list[int]] = {}  # worker -> keys
     idle_since: dict[int, float] = {w: 0.0 for w in range(p.workers)}
     rollout_wait = learner_wait = 0.0
-    learner_busy_until: float | None = None
     learner_idle_since = 0.0
     trained: list[int] = []
     dropped = 0
     demand = []
 
     def admissible(key: int) -> bool:
-        occupancy = len(pending) + sum(len(k) for k in in_flight.values())
+        occupancy = len(pending) + sum(len(j[1]) for w, j in jobs.items() if w >= 0)
         return occupancy < p.capacity and key // b <= version + ahead
 
     def start_worker(w: int) -> None:
-        nonlocal next_key, order, rollout_wait
+        nonlocal next_key, rollout_wait
         keys = []
         while len(keys) < p.chunk and admissible(next_key):
             keys.append(next_key)
@@ -96,20 +107,20 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
         longest = max(lengths(rng) for _ in range(len(keys) * p.group_size))
         duration = p.call_s + p.token_s * longest
         demand.append(duration / len(keys))
-        in_flight[w] = keys
-        order += 1
-        heapq.heappush(events, (now + duration, order, "gen", w * 1_000_000 + version))
+        jobs[w] = [duration, keys, version]
 
     def try_learn() -> None:
-        nonlocal learner_busy_until, learner_wait, order, dropped
-        if learner_busy_until is not None or step >= p.steps:
+        nonlocal learner_wait, dropped
+        if -1 in jobs or step >= p.steps:
             return
-        if p.mode == "async":
-            fresh = sorted(k for k, v in pending.items() if version - v <= p.max_staleness)
-            for k in [k for k, v in pending.items() if version - v > p.max_staleness]:
+        if p.mode == "async" or p.min_groups:
+            below = None if p.mode == "async" else (step + 1) * b  # one_step_off: only batches up to this step's
+            bound = p.max_staleness if p.mode == "async" else ahead
+            for k in [k for k, v in pending.items() if version - v > bound and (below is None or k < below)]:
                 pending.pop(k)
                 dropped += 1
-            if len(fresh) < b:
+            fresh = sorted(k for k in pending if below is None or k < below)
+            if len(fresh) < (p.min_groups or b):
                 return
             batch = fresh[:b]
         else:
@@ -119,27 +130,30 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
         learner_wait += now - learner_idle_since
         for k in batch:
             trained.append(version - pending.pop(k))
-        learner_busy_until = now + p.learn_s + p.sync_s
-        order += 1
-        heapq.heappush(events, (learner_busy_until, order, "learn", 0))
+        jobs[-1] = [p.learn_s + p.sync_s, [], version]
 
     for w in range(p.workers):
         start_worker(w)
-    while step < p.steps and events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "gen":
-            w, v = divmod(payload, 1_000_000)
-            for k in in_flight.pop(w):
+    try_learn()
+    while step < p.steps and jobs:
+        rate = 1.0 if p.cores is None else min(1.0, p.cores / len(jobs))  # processor sharing
+        done = min(jobs, key=lambda j: jobs[j][0])
+        dt = jobs[done][0] / rate
+        now += dt
+        for job in jobs.values():
+            job[0] -= dt * rate
+        _, keys, v = jobs.pop(done)
+        if done >= 0:
+            for k in keys:
                 pending[k] = v
-            idle_since[w] = now
+            idle_since[done] = now
         else:
             step += 1
             version += 1
-            learner_busy_until = None
             learner_idle_since = now
         try_learn()
         for w in range(p.workers):
-            if w not in in_flight:
+            if w not in jobs:
                 start_worker(w)
         try_learn()
     total = max(now, 1e-9)
@@ -152,6 +166,7 @@ def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: in
         learner_wait_share=learner_wait / total,
         rollout_wait_share=rollout_wait / (total * p.workers),
         steps_per_s=step / total,
+        groups_per_s=len(trained) / total,
         utilisation=(per_group * b / p.workers) / max(p.learn_s + p.sync_s, 1e-9),
     )
 
@@ -167,8 +182,22 @@ def pareto(alpha: float, minimum: int, maximum: int) -> Callable[[random.Random]
     return lambda rng: min(maximum, int(math.ceil(minimum * rng.paretovariate(alpha))))
 
 
+def contention_cores(config: object) -> float | None:
+    """The compute rollout and learner share, by placement (an assumption, printed with the prediction).
+
+    Local: 1 (worker threads and the learner share one GIL; right for Python-bound small models on CPU).
+    Ray: the cluster's CPUs (``cluster.num_cpus``, else this machine's).
+    """
+    import os
+
+    cluster = config.cluster
+    if cluster.backend == "ray":  # separate processes: the CPUs they may use
+        return float(cluster.num_cpus or os.cpu_count() or 1)
+    return 1.0  # threads of one process
+
+
 def from_config(config: object, *, learn_s: float, token_s: float, call_s: float = 0.0, sync_s: float = 0.0,
-                steps: int = 200) -> SimParams:
+                steps: int = 200, cores: float | None = None) -> SimParams:
     """SimParams for a run config and measured per-step / per-token times."""
     c = config
     b = c.algo.prompts_per_step
@@ -178,7 +207,9 @@ def from_config(config: object, *, learn_s: float, token_s: float, call_s: float
                      group_size=c.algo.group_size, workers=workers,
                      chunk=c.staleness.rollout_chunk or max(1, -(-b // workers)),
                      capacity=c.staleness.queue_capacity or (ahead + 1) * b, learn_s=learn_s, token_s=token_s,
-                     call_s=call_s, sync_s=sync_s, steps=steps)
+                     call_s=call_s, sync_s=sync_s, steps=steps, cores=cores,
+                     min_groups=math.ceil(c.staleness.partial_fraction * b) if c.staleness.partial_fraction < 1
+                     else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,27 +221,38 @@ class RunPrediction:
     lengths: str  # how response lengths were drawn
 
 
-def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int = 200) -> RunPrediction:
+def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int = 200,
+                    cores: float | None | str = "placement", **overrides: Any) -> RunPrediction:
     """Predict from a sync smoke step's timings (T_r for one whole batch, T_l, T_s) and response lengths.
 
     Per-token time is T_r / longest response (batched decoding runs as long as
     its longest row), per worker call; the learner's step adds the extra
     log-prob pass of the overlapped loop (about a third of a train step).
     Lengths follow the rollout's Pareto tail option when set, else a spread
-    between the smoke step's mean and max response length.
+    between the smoke step's mean and max response length. ``cores``:
+    "placement" = ``contention_cores(config)``; None = no contention.
+    ``overrides`` replace SimParams fields (e.g. ``workers=1, chunk=B`` for
+    the plain synchronous loop's single engine).
     """
     m = smoke_metrics
     longest = max(1.0, m.get("response_length_max", 1.0))
     mean = max(1.0, m.get("response_length_mean", longest))
-    token_s = m.get("T_r", 0.0) / longest
     options = getattr(config.rollout, "options", {}) or {}
     if options.get("length_tail_alpha"):
         alpha, low = float(options["length_tail_alpha"]), int(options.get("length_tail_min", 4))
         draw, how = pareto(alpha, low, config.rollout.max_tokens), f"Pareto(alpha={alpha:g}, min={low})"
+        # the smoke batch decoded to its longest tail draw, not to its longest (trained) response:
+        # per-token time is T_r over the typical longest of B x G draws
+        rows = config.algo.prompts_per_step * config.algo.group_size
+        rng = random.Random(1)
+        longest = float(sorted(max(draw(rng) for _ in range(rows)) for _ in range(51))[25])
     else:
         lo, hi = int(mean), int(longest)
         draw = (lambda rng: rng.randint(lo, hi)) if hi > lo else (lambda rng: lo)
         how = f"uniform {lo}..{hi} tokens (smoke step mean..max)"
+    shared = contention_cores(config) if cores == "placement" else cores
+    token_s = m.get("T_r", 0.0) / longest
     params = from_config(config, learn_s=m.get("T_l", 0.0) * 4 / 3, token_s=token_s, sync_s=m.get("T_s", 0.0),
-                         steps=steps)
+                         steps=steps, cores=shared)
+    params = replace(params, **overrides)
     return RunPrediction(prediction=predict(params, draw), params=params, lengths=how)

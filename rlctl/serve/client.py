@@ -24,6 +24,18 @@ from rlctl.contracts.errors import RoleError
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def server_urls(urls: list[str], *, key: str, example: str) -> list[str]:
+    """Validate a config's server list: http(s) URLs, each once; returned without trailing slashes."""
+    out = []
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"server {url!r} must be an http(s) URL such as {example}")
+        out.append(url.rstrip("/"))
+    if len(set(out)) != len(out):
+        raise ValueError(f"a server is listed twice in {key}; list each once")
+    return out
+
+
 class CallError(RoleError):
     """A call failed; ``status`` is None when the server could not be reached (or timed out)."""
 

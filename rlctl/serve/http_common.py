@@ -60,6 +60,27 @@ class Cancelled(RoleError):
     """The job was cancelled (its client left, or the server is shutting down) before it finished."""
 
 
+def await_job(job: Any, *, gone: Callable[[], bool] | None, timeout_s: float | None, what: str) -> Any:
+    """Wait for ``job.future`` while polling ``gone()``; a client that left or a deadline cancels the job.
+
+    Raises ``Cancelled`` once ``gone()`` is true, TimeoutError past ``timeout_s``
+    (``what`` names the work in its message); either way ``job.cancelled`` is set.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+        try:
+            return job.future.result(timeout=wait)
+        except TimeoutError:
+            pass
+        if gone is not None and gone():
+            job.cancelled.set()
+            raise Cancelled("the client closed the connection", "nothing to do")
+        if deadline is not None and time.monotonic() >= deadline:
+            job.cancelled.set()
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+
+
 def json_repr(value: Any) -> str:
     """A short rendering of a client value for an error message."""
     text = repr(value)

@@ -51,7 +51,8 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import ModelError, RlctlError, RoleError
 from rlctl.serve.http_common import (
-    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, json_repr, serve_until_signal,
+    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, await_job, json_repr,
+    serve_until_signal,
 )
 
 HASH_VERSION = "1"  # bump when what model_hash covers changes
@@ -198,19 +199,7 @@ class ScoreWorker:
         if self._closing.is_set():
             raise Cancelled("the server is shutting down", "retry on another server")
         self._queue.put(job)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            try:
-                return job.future.result(timeout=wait)
-            except TimeoutError:
-                pass
-            if gone is not None and gone():
-                job.cancelled.set()
-                raise Cancelled("the client closed the connection", "nothing to do")
-            if deadline is not None and time.monotonic() >= deadline:
-                job.cancelled.set()
-                raise TimeoutError(f"scoring did not finish within {timeout_s:g}s")
+        return await_job(job, gone=gone, timeout_s=timeout_s, what="scoring")
 
     @property
     def alive(self) -> bool:

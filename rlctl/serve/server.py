@@ -222,7 +222,8 @@ class RolloutService:
                 "rlctl": {"batches": s.batches, "requests": s.requests, "rows": s.rows,
                           "largest_batch_rows": s.largest_batch_rows,
                           "largest_batch_requests": s.largest_batch_requests,
-                          "retried_alone": s.retried_alone, "cancelled": s.cancelled, "idle": self.worker.idle}}
+                          "retried_alone": s.retried_alone, "cancelled": s.cancelled, "idle": self.worker.idle,
+                          "pid": os.getpid()}}
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.worker.close(timeout_s)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import RolloutRequest, Trajectory
-from rlctl.serve.http_common import Cancelled
+from rlctl.serve.http_common import Cancelled, await_job
 from rlctl.serve.sglang_api import Row
 
 
@@ -120,19 +120,7 @@ class EngineWorker:
         job is cancelled too and TimeoutError raised.
         """
         job = self.submit(rows)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            try:
-                return job.future.result(timeout=wait)
-            except TimeoutError:
-                pass
-            if gone is not None and gone():
-                job.cancelled.set()
-                raise Cancelled("the client closed the connection", "nothing to do")
-            if deadline is not None and time.monotonic() >= deadline:
-                job.cancelled.set()
-                raise TimeoutError(f"generation did not finish within {timeout_s:g}s")
+        return await_job(job, gone=gone, timeout_s=timeout_s, what="generation")
 
     def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
         """Run ``fn(worker)`` on the engine thread between batches (weight updates)."""

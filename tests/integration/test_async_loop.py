@@ -120,6 +120,143 @@ def test_lost_worker_prompts_are_regenerated_with_current_weights(plugins, _rlct
     assert report.lost == () and report.double_counted == 0 and report.trained == 16
 
 
+class StragglerWorker:
+    """A real local worker whose odd calls answer late (the far side of a slow rollout server)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s, self.calls, self.name = inner, delay_s, 0, inner.name
+
+    def generate(self, requests):
+        import time
+
+        self.calls += 1
+        out = self.inner.generate(requests)
+        if self.calls % 2:
+            time.sleep(self.delay_s)
+        return out
+
+    def load_weights(self, update):
+        self.inner.load_weights(update)
+
+    def restart(self):
+        self.inner.restart()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_partial_rollout_carries_unfinished_groups_over(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
+    """partial_fraction=0.5: steps proceed without the straggler's groups, which a later step trains (within Δv)."""
+    from rlctl.dist import local
+    from rlctl.engine.async_loop import audit
+
+    original = local.LocalPlacement.workers
+    monkeypatch.setattr(local.LocalPlacement, "workers",
+                        lambda self: [StragglerWorker(w, 0.8 if i == 0 else 0.0) for i, w in enumerate(original(self))])
+    session = session_for(plugins, _rlctl_home, "mode=one_step_off", "train.steps=5", "staleness.max_staleness=1",
+                          "staleness.partial_fraction=0.5", "staleness.rollout_chunk=1", "staleness.queue_capacity=8")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2, 3, 4]
+    assert all(m["groups_trained"] >= 2 for _, m in rows)  # never below the fraction (B = 4)
+    assert any(m["partial_carried_groups"] > 0 for _, m in rows)  # some step did not wait for the straggler
+    assert all(m["staleness_violations"] == 0 for _, m in rows)  # carried groups still obey the bound
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.max_staleness <= 1
+    ledger = [json.loads(line) for line in (tmp_path / "queue" / "ledger.jsonl").read_text().splitlines()]
+    trained = {gid: step["step"] for step in ledger if "step" in step for gid in step["taken"]}
+    assert any(step > int(gid[1:]) // 4 for gid, step in trained.items())  # a group trained after its own batch's step
+
+
+def test_ppo_with_a_critic_trains_overlapped(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=ppo", "mode=async", "train.steps=3")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2] and all("value_loss" in m for _, m in rows)
+    assert session.learner.policy_version == 3
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 12
+
+
+def test_dapo_filters_groups_without_signal_and_refuses_refills(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    from rlctl.contracts.errors import ConfigError
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3")
+    with pytest.raises(ConfigError, match="refills filtered groups") as err:
+        run(session, plugins, tmp_path / "refill")
+    assert "max_sample_rounds=1" in err.value.hint
+    session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3",
+                          "algo.options={max_sample_rounds: 1}")
+    rows = run(session, plugins, tmp_path / "filter")
+    assert all(m["groups_trained"] + m["ds_dropped_groups"] == 4 for _, m in rows)
+    report = audit(tmp_path / "filter" / "queue")  # a filtered group is dropped in the ledger, never lost
+    assert report.lost == () and report.double_counted == 0
+    assert report.trained + report.dropped == 12
+
+
+def test_config_refuses_partial_rollout_in_sync_mode():
+    from rlctl.config.load import load_config
+    from rlctl.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="partial_fraction"):
+        load_config(None, ["mode=sync", "staleness.partial_fraction=0.5"])
+
+
+class EngineGone:
+    """A real rollout backend whose engine vanishes on the given calls (the far side: a dead server or process)."""
+
+    def __init__(self, inner, lose_calls) -> None:
+        self.inner, self.lose, self.calls = inner, set(lose_calls), 0
+
+    def generate(self, requests):
+        from rlctl.contracts.errors import RolloutUnavailable
+
+        self.calls += 1
+        if self.calls in self.lose:
+            raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
+        return self.inner.generate(requests)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins, _rlctl_home, tmp_path,
+                                                                        tiny_policy_dir, monkeypatch):
+    """A backend whose engine is gone mid-batch: its prompts are regenerated by a restarted worker at the current version."""
+    from rlctl.dist import local
+    from rlctl.engine.async_loop import audit
+
+    events: list[tuple[str, str, int]] = []  # (worker, what, version)
+    originals = {name: getattr(local.LocalWorker, name) for name in ("load_weights", "restart", "generate")}
+
+    def load_weights(self, update):
+        events.append((self.name, "load", update.version))
+        originals["load_weights"](self, update)
+
+    def restart(self):
+        events.append((self.name, "restart", -1))
+        originals["restart"](self)
+
+    def generate(self, requests):
+        events.append((self.name, "generate", -1))
+        return originals["generate"](self, requests)
+
+    for name, fn in (("load_weights", load_weights), ("restart", restart), ("generate", generate)):
+        monkeypatch.setattr(local.LocalWorker, name, fn)
+    session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3",
+                          "cluster.num_rollout_workers=1")  # one worker: the run finishes only if it comes back
+    session.rollout = EngineGone(session.rollout, {2})  # worker 0 serves through the session's backend
+    rows = run(session, plugins, tmp_path)
+    assert rows[-1][1]["rollout_worker_failures"] == 1 and rows[-1][1]["requeued_prompts"] >= 1
+    mine = [(what, v) for name, what, v in events if name == "local-0"]
+    after = mine[mine.index(("restart", -1)) + 1:]
+    assert after[0][0] == "load" and after[0][1] >= 1  # the new backend loads the current weights first
+    assert ("generate", -1) in after  # and then serves again
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 16
+
+
 def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
     from rlctl.contracts.errors import RoleError
     from rlctl.dist import local
@@ -132,13 +269,21 @@ def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny
         run(session, plugins, tmp_path)
 
 
-def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
-    """Crash after step 4 of 6 with the newest checkpoint at 4 completed steps: the resumed run trains every group exactly once."""
+@pytest.mark.parametrize("compacting", [False, True], ids=["plain", "compacted"])
+def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, tmp_path, tiny_policy_dir,
+                                                          compacting):
+    """Crash after step 4 of 6 with the newest checkpoint at 4 completed steps: the resumed run trains every group exactly once.
+
+    ``compacted``: one log segment per put, so every committed checkpoint lets
+    the driver delete the segments below the oldest kept checkpoint's cursor
+    before the crash; the resume must still neither regenerate nor retrain them.
+    """
     from rlctl.engine.async_loop import audit
     from rlctl.engine.checkpoint import DiskCheckpointStore
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, restore
 
-    overrides = ("mode=async", "train.steps=6", "staleness.max_staleness=2", "staleness.queue_capacity=12")
+    overrides = ("mode=async", "train.steps=6", "staleness.max_staleness=2", "staleness.queue_capacity=12",
+                 *(["staleness.queue_segment_bytes=1"] if compacting else []))
     session = session_for(plugins, _rlctl_home, *overrides)
     store = DiskCheckpointStore(tmp_path / "checkpoints", keep_last=3, async_save=False)
     prov = Provenance(run_id="r", config_hash="h", code_version="c")
@@ -153,6 +298,10 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
 
     with pytest.raises(Crash):
         run(session, plugins, tmp_path, observer=observer, checkpoint=ckpt, store=store)
+    if compacting:  # the checkpoints at 2 and 4 are kept: segments below the one at 2 are gone
+        assert (tmp_path / "queue" / "compacted.json").is_file()
+        first = min(int(p.stem.split("-")[1]) for p in (tmp_path / "queue").glob("seg-*.log"))
+        assert first > 0
     path, state, _ = store.load_latest()
     assert state.step == 4 and state.queue is not None and state.queue["watermark"] >= 0
     assert json.loads((Path(path) / "state.json").read_text())["queue"] == state.queue

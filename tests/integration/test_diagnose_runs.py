@@ -2,6 +2,9 @@
 
 Each row trains a tiny real run (in-process, deterministic CPU mode) with one
 cause injected, then diagnoses it from the registry's metrics and events only.
+The rows are the issue's acceptance table: NaN -> numerics, 30% verifier
+timeouts -> grader, a reward that pays for length -> hacking/length, a
+learning rate 30x too high -> instability, a slow learner in async mode -> lag.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ CASES = {
                                 "rollout.truncation_penalty=null", "rollout.max_tokens=16"],
                                "hacking", "length-collapse-or-reward-hacking"),
     "learning rate 30x too high": (["train.optim.lr=3e-2"], "instability", "instability"),
+    # async: rollout runs ahead while a learner doing 8x the work per step falls behind (staleness at its bound).
+    # A small lr: at 1e-3, 4-version-old samples drift past approx KL 0.1 and the instability trigger (critical)
+    # outranks lag (2 of 3 runs with 8 epochs, 1 of 5 with 4); the lag branch does not claim that drift yet.
+    "slow learner, async": (["mode=async", "staleness.max_staleness=4", "algo.ppo_epochs=8", "train.optim.lr=1e-4"],
+                            "lag", "queue-lag"),
 }
 
 

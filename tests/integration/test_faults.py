@@ -117,6 +117,22 @@ def test_nan_steps_are_skipped_then_rolled_back_with_lower_lr_and_a_canary(_rlct
     assert lr[5] == pytest.approx(1e-3 * 0.5)
 
 
+def test_overlapped_run_rolls_back_nan_steps_under_the_same_guard(_rlctl_home, tmp_path):
+    """mode=async: the NaN rollback restores the checkpoint and its queue cursor; the history stays exact."""
+    from rlctl.engine.async_loop import audit
+
+    result, reg, run_dir = _train(_rlctl_home, tmp_path, "nan-async", "mode=async", "train.steps=6",
+                                  "checkpoint.every_steps=2", "checkpoint.async_save=false",
+                                  "faults.nan_rollback_after=2", "faults.inject=[{kind: nan, at_step: 2, count: 2}]")
+    assert result.run.status == "succeeded"
+    [back] = _events(reg, run_dir, "nan_rollback")
+    assert (back.data["step"], back.data["to_step"]) == (3, 2)
+    assert _events(reg, run_dir, "canary_passed")[0].data["step"] == 2
+    assert sorted({p.step for p in reg.metrics(_run_id(run_dir), ["reward_mean"])}) == list(range(6))
+    report = audit(run_dir / "queue")
+    assert report.steps == 6 and report.trained == 24 and report.double_counted == 0 and report.lost == ()
+
+
 def test_a_skipped_nan_step_leaves_parameters_unchanged(tiny_config, plugins, _rlctl_home):
     import torch
 
@@ -150,9 +166,9 @@ def test_watchdog_reports_role_phase_and_stack_instead_of_hanging(_rlctl_home, t
 
     started = time.monotonic()
     err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang", "faults.watchdog_timeout_s=1",
-                               "faults.inject=[{kind: slow-rollout, at_step: 1, options: {delay_s: 60}}]",
+                               "faults.inject=[{kind: slow-rollout, at_step: 1, options: {delay_s: 600}}]",
                                expect_error=True)
-    assert time.monotonic() - started < 40
+    assert time.monotonic() - started < 150  # far below the 600 s straggler, with slack for a loaded machine
     assert isinstance(err, HangError) and "runbook show hang" in str(err)
     [hang] = _events(reg, run_dir, "hang")
     assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("rollout", "generate", 1)

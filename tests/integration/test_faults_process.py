@@ -87,8 +87,25 @@ def test_supervisor_gives_up_after_max_restarts(home, tmp_path):
     proc = rlctl("train", "configs/quickstart.yaml", *BASE, faults, "faults.max_restarts=1", "--run-dir",
                  str(run_dir), "--supervise", home=home, timeout=900)
     assert proc.returncode == 137
+    run_id = _run_id(run_dir)
     with _registry(home) as reg:
-        assert "supervisor_gave_up" in _kinds(reg, _run_id(run_dir))
+        assert "supervisor_gave_up" in _kinds(reg, run_id)
+    # the reason and the runbook to open, as one error line and one hint line
+    assert f"error: run {run_id} cannot recover: training killed by SIGKILL again after 1 restart(s)" in proc.stderr
+    assert "hint:" in proc.stderr and "rlctl runbook show oom" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unrecoverable_nan_run_exits_non_zero_with_the_reason_and_runbook(home, tmp_path):
+    run_dir = tmp_path / "nan"
+    proc = rlctl("train", "configs/quickstart.yaml", *BASE, "checkpoint.every_steps=0", "faults.nan_rollback_after=2",
+                 "faults.inject=[{kind: nan, at_step: 1, count: 3}]", "--run-dir", str(run_dir), home=home,
+                 timeout=900)
+    assert proc.returncode == 1
+    assert "error: 2 NaN/Inf steps in a row and no committed checkpoint" in proc.stderr
+    assert "hint:" in proc.stderr and "rlctl runbook show reward-drop-or-nan" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with _registry(home) as reg:
+        assert reg.get_run(_run_id(run_dir)).status == "failed"
 
 
 def test_inject_cli_on_a_stopped_run_resumes_it_with_the_fault(home, tmp_path):

@@ -64,15 +64,46 @@ def test_ray_run_emits_the_local_metric_schema(ray_cluster, plugins, _rlctl_home
     from tests.integration.test_async_loop import run
 
     started = time.perf_counter()
-    session, rows = run_ray(plugins, _rlctl_home, tmp_path / "ray", "mode=async", "train.steps=3")
+    session, rows = run_ray(plugins, _rlctl_home, tmp_path / "ray", "mode=async", "train.steps=3",
+                            "reward.workers=2")  # graders as Ray actors too
     ray_s = time.perf_counter() - started
     assert [s for s, _ in rows] == [0, 1, 2] and rows[-1][1]["policy_version"] == 3
     assert session.learner.policy_version == 3  # the final state came back from the actor
+    assert type(session.reward_pool).__name__ == "ProcessRewardPool"  # the run's actor pool is gone again
+    assert all(m["reward_error_count"] == 0 for _, m in rows)
     local = run(session_for(plugins, _rlctl_home, "mode=async", "train.steps=1"), plugins, tmp_path / "local")
     assert set(rows[0][1]) == set(local[0][1])
     report = audit(tmp_path / "ray" / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
     print(f"3 ray steps incl. actor start: {ray_s:.1f}s")
+
+
+def test_ray_reward_pool_scores_like_in_process_and_retries_a_killed_actor(ray_cluster, tiny_config):
+    from functools import partial
+
+    from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+    from rlctl.dist.ray import RayRewardPool
+    from rlctl.engine.session import reward_from_config
+
+    def traj(i: int, text: str) -> Trajectory:
+        return Trajectory.create(id=f"t{i}", prompt_id=f"p{i}", group_index=0, dataset_version="ds",
+                                 policy_version=0, tokenizer_hash="tok", prompt_tokens=(1,), response_tokens=(2,),
+                                 response_text=text, action_mask=(1,), behavior_logprobs=(-0.5,),
+                                 sampling_config=SamplingConfig(max_tokens=4), terminal_reason=TerminalReason.EOS,
+                                 rollout_started_at=0.0)
+
+    samples = [traj(i, text) for i, text in enumerate(["12", "7", "x", "-3", "100", "12"])]
+    refs = ["12", "8", "1", "-3", "100", "13"]
+    local = reward_from_config(tiny_config)
+    expected = [local.score(t, r).total for t, r in zip(samples, refs)]
+    pool = RayRewardPool(partial(reward_from_config, tiny_config), 2, timeout_s=60, retries=2)
+    try:
+        assert [r.total for r in pool.score(samples, refs)] == expected
+        os.kill(ray.get(pool.actors[0].pid.remote()), signal.SIGKILL)  # dies between calls: retried once back
+        again = pool.score(samples, refs)
+        assert [r.total for r in again] == expected and all(r.error_code is None for r in again)
+    finally:
+        pool.close()
 
 
 class Killer(threading.Thread):

@@ -10,7 +10,6 @@ is idle again. Hypothesis then throws generated bodies at /score: never a
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -27,62 +26,23 @@ from hypothesis import strategies as st
 
 from rlctl.serve.http_common import HttpOptions
 from rlctl.serve.reward import RewardServer, build_reward_service
+from tests.helpers import LiveServer, http_status
 from tests.integration.test_cli import REPO
 
 READ_TIMEOUT_S = 1.0
 VALID = {"prompt": "3+4=", "response": "7"}
 
 
-class Live:
+class Live(LiveServer):
     """One in-process reward server on an ephemeral port."""
 
     def __init__(self, model_dir: Path, http: HttpOptions | None = None, **service_kw) -> None:
         self.service = build_reward_service(model_dir, **{"max_wait_s": 0.002, **service_kw})
-        self.server = RewardServer(self.service, "127.0.0.1", 0,
-                                   http=http or HttpOptions(read_timeout_s=READ_TIMEOUT_S))
-        self.port = int(self.server.url.rsplit(":", 1)[1])
-        self.key = self.server.http.api_key
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-                timeout: float = 30.0) -> tuple[int, object]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
-                    **(headers or {})}
-            conn.request(method, path, body=body, headers={k: v for k, v in sent.items() if v is not None})
-            resp = conn.getresponse()
-            raw = resp.read()
-            kind = resp.getheader("Content-Type") or ""
-            return resp.status, json.loads(raw) if "json" in kind and raw else raw.decode(errors="replace")
-        finally:
-            conn.close()
+        super().__init__(RewardServer(self.service, "127.0.0.1", 0,
+                                      http=http or HttpOptions(read_timeout_s=READ_TIMEOUT_S)))
 
     def post(self, body: object, path: str = "/score", **kw) -> tuple[int, object]:
         return self.request("POST", path, json.dumps(body).encode(), **kw)
-
-    def raw(self, data: bytes, timeout: float = 10.0) -> bytes:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
-            sock.sendall(data)
-            out = b""
-            try:
-                while chunk := sock.recv(65536):
-                    out += chunk
-                    if b"\r\n\r\n" in out:
-                        break
-            except socket.timeout:
-                pass
-            return out
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self._thread.join(timeout=10)
-
-
-def _status(response: bytes) -> int:
-    assert response.startswith(b"HTTP/1."), f"no HTTP response: {response[:200]!r}"
-    return int(response.split(b" ", 2)[1])
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +206,7 @@ def test_nan_literal_and_broken_bodies_get_a_400_response(live):
         assert status == 400 and answer["error"], (body[:40], answer)
     head = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             "Content-Length: abc\r\n\r\n{}")
-    assert _status(live.raw(head.encode())) == 400
+    assert http_status(live.raw(head.encode())) == 400
     healthy_after(live)
 
 
@@ -254,13 +214,13 @@ def test_short_chunked_and_oversized_bodies_are_refused(live):
     body = json.dumps(VALID).encode()[:10]
     head = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: 1000\r\n\r\n").encode()
-    assert _status(live.raw(head + body)) == 408
+    assert http_status(live.raw(head + body)) == 408
     chunked = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode()
-    assert _status(live.raw(chunked)) == 411
+    assert http_status(live.raw(chunked)) == 411
     huge = (f"POST /score HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {64 << 20}\r\n\r\n").encode()
-    assert _status(live.raw(huge)) == 413
+    assert http_status(live.raw(huge)) == 413
     healthy_after(live)
 
 
@@ -336,7 +296,7 @@ def test_shutdown_with_requests_in_flight_stops_the_model_thread(tiny_reward_mod
             answer = sock.recv(65536)
         except ConnectionResetError:  # closed before its body was read
             answer = b""
-        assert answer == b"" or _status(answer) in (200, 503)
+        assert answer == b"" or http_status(answer) in (200, 503)
         sock.close()
 
 
@@ -361,7 +321,7 @@ def test_sigterm_stops_the_cli_server_cleanly(tiny_reward_model_dir, tmp_path):
             answer = sock.recv(65536)
         except ConnectionResetError:
             answer = b""
-        assert answer == b"" or _status(answer) in (200, 503)
+        assert answer == b"" or http_status(answer) in (200, 503)
         sock.close()
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the port is released

@@ -13,7 +13,6 @@ inspected; SIGTERM and the --host check run the real CLI in a subprocess.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -30,73 +29,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlctl.serve.server import HttpOptions, RolloutServer, build_service
+from tests.helpers import LiveServer, http_status
 from tests.integration.test_cli import REPO
 
 READ_TIMEOUT_S = 1.0
 
 
-class Live:
-    """One in-process server on an ephemeral port."""
+class Live(LiveServer):
+    """One in-process rollout server on an ephemeral port."""
 
     def __init__(self, model_dir: Path, http: HttpOptions | None = None, **service_kw) -> None:
         self.service = build_service(model_dir, max_wait_s=0.002, **service_kw)
-        self.server = RolloutServer(self.service, "127.0.0.1", 0,
-                                    http=http or HttpOptions(read_timeout_s=READ_TIMEOUT_S))
-        self.port = int(self.server.url.rsplit(":", 1)[1])
-        self.key = self.server.http.api_key
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-                timeout: float = 30.0) -> tuple[int, object]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
-                    **(headers or {})}
-            conn.request(method, path, body=body, headers={k: v for k, v in sent.items() if v is not None})
-            resp = conn.getresponse()
-            raw = resp.read()
-            kind = resp.getheader("Content-Type") or ""
-            return resp.status, json.loads(raw) if "json" in kind and raw else raw.decode(errors="replace")
-        finally:
-            conn.close()
+        super().__init__(RolloutServer(self.service, "127.0.0.1", 0,
+                                       http=http or HttpOptions(read_timeout_s=READ_TIMEOUT_S)))
 
     def post(self, path: str, body: object, **kw) -> tuple[int, object]:
         return self.request("POST", path, json.dumps(body).encode(), **kw)
 
-    def raw(self, data: bytes, timeout: float = 10.0) -> bytes:
-        """Send raw bytes on a fresh connection; what came back before the server closed it (or timeout)."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
-            sock.sendall(data)
-            out = b""
-            try:
-                while chunk := sock.recv(65536):
-                    out += chunk
-                    if b"\r\n\r\n" in out and _complete(out):
-                        break
-            except socket.timeout:
-                pass
-            return out
-
     def fingerprint(self) -> str:
         return self.service.worker.engine.health()["fingerprint"]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self._thread.join(timeout=10)
-
-
-def _complete(data: bytes) -> bool:
-    head, _, body = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return len(body) >= int(line.split(b":", 1)[1])
-    return True
-
-
-def _status(response: bytes) -> int:
-    assert response.startswith(b"HTTP/1."), f"no HTTP response: {response[:200]!r}"
-    return int(response.split(b" ", 2)[1])
 
 
 VALID = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
@@ -253,7 +204,7 @@ def test_nan_literal_and_broken_bodies_get_a_400_response(live):
         assert status == 400 and answer["error"], (body[:40], answer)
     head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             "Content-Length: abc\r\n\r\n{}")
-    assert _status(live.raw(head.encode())) == 400
+    assert http_status(live.raw(head.encode())) == 400
     healthy_after(live, fp)
 
 
@@ -263,7 +214,7 @@ def test_a_short_body_times_out_with_408_and_idle_connections_close(live):
     head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: 1000\r\n\r\n").encode()
     started = time.monotonic()
-    assert _status(live.raw(head + body)) == 408
+    assert http_status(live.raw(head + body)) == 408
     assert time.monotonic() - started < READ_TIMEOUT_S + 1.5
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as idle:
         started = time.monotonic()
@@ -271,7 +222,7 @@ def test_a_short_body_times_out_with_408_and_idle_connections_close(live):
         assert time.monotonic() - started < READ_TIMEOUT_S + 1.5
     chunked = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode()
-    assert _status(live.raw(chunked)) == 411
+    assert http_status(live.raw(chunked)) == 411
     healthy_after(live, fp)
 
 
@@ -386,7 +337,7 @@ def test_shutdown_during_a_long_generation_takes_under_5s(tiny_policy_dir):
     assert time.monotonic() - started < 5 and not server._thread.is_alive()
     assert not server.service.worker._thread.is_alive()
     answer = sock.recv(65536)
-    assert answer == b"" or _status(answer) == 503
+    assert answer == b"" or http_status(answer) == 503
     sock.close()
 
 
@@ -411,7 +362,7 @@ def test_sigterm_stops_the_server_within_5s_during_a_long_generation(tiny_policy
         proc.wait(timeout=5)
         assert time.monotonic() - started < 5
         answer = sock.recv(65536)
-        assert answer == b"" or _status(answer) == 503
+        assert answer == b"" or http_status(answer) == 503
         sock.close()
         log.seek(0)
         assert "terminate called" not in log.read()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl import RewardResult, TerminalReason, Trajectory, hookimpl
+from rlctl import RewardResult, Trajectory, hookimpl
 from rlctl.contracts.errors import PluginError
 from rlctl.engine.batching import drop_unscored_groups
 from rlctl.engine.faults import FaultContext, arm, drain_recoveries, fault_site, report_recovery
@@ -130,3 +130,73 @@ def test_jsonl_sink_rewrites_steps_re_run_in_the_same_process(tmp_path) -> None:
     sink.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]
+
+
+def _ctx(kind: str, fired: list, at_step: int = 0) -> FaultContext:
+    return FaultContext(kind=kind, at_step=at_step, count=1, rate=1.0, target=None, options=None, seed=0,
+                        step=lambda: 0, record=lambda message, data: fired.append(data))
+
+
+@pytest.mark.parametrize("mode", ["refused", "blackhole"])
+def test_a_network_partition_makes_every_call_unreachable_then_heals(mode) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rlctl_faults.kinds import NetworkPartition, PartitionOptions
+    from rlctl_sglang.client import ServerClient, ServerError
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"ok": true}')
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=0.5)
+    fired: list = []
+    disarm = NetworkPartition(PartitionOptions(duration_s=60, mode=mode)).arm(_ctx("network-partition", fired))
+    try:
+        with pytest.raises(ServerError) as err:
+            client.model_info()
+        assert err.value.unreachable and err.value.url == client.url  # the error still names the real server
+        assert not client.healthy(timeout_s=0.5) and len(fired) == 1
+    finally:
+        disarm()  # heals the partition
+    assert client.healthy() and client.model_info() == {"ok": True}
+    server.shutdown()
+
+
+@pytest.mark.parametrize("stage", ["publish", "apply"])
+def test_a_weight_sync_failure_fails_the_publish_or_the_receivers_checksum(tmp_path, stage) -> None:
+    import torch
+
+    from rlctl.contracts.errors import RoleError
+    from rlctl.contracts.types import WeightUpdate
+    from rlctl.engine.transports.disk import DiskTransport, fetch_directory, is_committed
+    from rlctl.engine.weight_sync import Broadcaster
+    from rlctl_faults.kinds import WeightSyncFailure, WeightSyncOptions
+
+    update = WeightUpdate(version=1, state_dict={"w": torch.arange(64, dtype=torch.float32)}, fingerprint="f")
+    broadcaster = Broadcaster(DiskTransport(tmp_path))
+    fired: list = []
+    disarm = WeightSyncFailure(WeightSyncOptions(stage=stage)).arm(_ctx("weight-sync-failure", fired))
+    try:
+        if stage == "publish":
+            with pytest.raises(OSError, match="No space left"):
+                broadcaster.publish(update)
+            assert not any(is_committed(d) for d in tmp_path.iterdir())  # nothing half-published is visible
+            report = broadcaster.publish(update)  # fired once for this step: the retry goes through
+            fetch_directory(report.location)
+        else:
+            report = broadcaster.publish(update)
+            fault_site("weights.published", location=report.location, version=1)
+            with pytest.raises(RoleError, match="sha256"):
+                fetch_directory(report.location)  # what a server's load checks: it refuses the version
+    finally:
+        disarm()
+    assert [d["stage"] for d in fired] == [stage]

@@ -17,23 +17,18 @@ import torch
 
 from rlctl import RoleError
 from rlctl.contracts.types import LearnerContext
-from tests.helpers import rollout_batch
+from tests.helpers import learner_context, rollout_batch
+
+
 
 
 @pytest.fixture(scope="module")
-def session(tiny_config, plugins, _rlctl_home):
-    from rlctl.engine.session import build_session
-
-    s = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
-    yield s
-    s.rollout.close()
+def session(tiny_session):
+    return tiny_session
 
 
 def _ctx(session) -> LearnerContext:
-    cfg = session.config
-    return LearnerContext(model_dir=str(session.policy_dir), algo=cfg.algo.model_copy(update={"micro_batch_size": 5}),
-                          optim=cfg.train.optim.model_copy(update={"lr": 1e-3, "grad_clip": 0.05}), seed=0,
-                          max_response_tokens=cfg.rollout.max_tokens, deterministic=True, device="cpu")
+    return learner_context(session, micro_batch_size=5)
 
 
 def test_options_and_memory_terms_say_full_shard():

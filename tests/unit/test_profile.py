@@ -103,3 +103,21 @@ def test_bad_compare_name(registry):
     run = _run(registry, [_step(0, 0.5, 0.1, 1.0, 0.1, wall=1.8)])
     with pytest.raises(ConfigError, match="--compare"):
         profile_run(run.id, registry=registry, compare=["ring"])
+
+
+def test_an_overlapped_run_is_labelled_and_its_waits_explained(registry):
+    """T_r of an overlapped step is the learner's wait: the report says so and shows both sides' waits."""
+    from rlctl.ops.profile import build_report
+
+    run = registry.create_run(name="o", config={}, config_hash="h", code_version="c", dataset_version="d",
+                              tokenizer_hash="t", seed=0, run_dir="")
+    for step in range(3):
+        registry.log_metrics(run.id, step, {"T_r": 0.1, "T_v": 0.0, "T_l": 0.9, "T_s": 0.02,
+                                            "generated_tokens_per_s": 100.0, "learner_wait_s": 0.1,
+                                            "rollout_wait_s": 0.05, "rollout_latency_p50_s": 0.8,
+                                            "staleness_mean": 0.9})
+    report = build_report(run.id, "test", registry, (), None)
+    assert report.placements[0].mode == "overlapped" and "learner wait" in report.placements[0].critical_path
+    [note] = report.notes[-1:]
+    assert "learner's wait for a batch (mean 0.1s/step)" in note and "waited 0.05s/step" in note
+    assert report.steps[0].generated_tokens == pytest.approx(100.0 * 1.02)  # per step, not per T_r

@@ -150,6 +150,44 @@ def test_segments_rotate_and_compact(tmp_path):
     assert keys_of(q2.take(2, 0)) == [2, 3]
 
 
+def test_compaction_keeps_the_compacted_keys_known_and_refuses_an_older_cursor(tmp_path):
+    q = TrajectoryQueue(tmp_path, segment_bytes=1)
+    for key in (0, 1, 3, 2, 4):  # arrival order differs from draw order
+        q.put(make_group(key))
+    early = q.cursor()
+    q.take(3, 0)  # keys 0, 1, 2 = log sequences 0, 1, 3: the watermark stops at 2 (key 3)
+    removed = q.compact(q.cursor()["watermark"])
+    assert len(removed) == 2 and q.compacted_below == 2
+    after = q.cursor()
+    q.close()
+    q2 = TrajectoryQueue(tmp_path, segment_bytes=1)
+    assert q2.known_keys() == {0, 1, 2, 3, 4}  # 0, 1 only through compacted.json
+    q2.restore_cursor(after)
+    assert sorted(q2.pending_ids()) == ["d3", "d4"]
+    with pytest.raises(QueueError, match="compacted away"):
+        q2.restore_cursor(early)
+    q2.take(2, 0)
+    q2.compact(q2.cursor()["watermark"])
+    q2.close()
+    body = (tmp_path / "compacted.json").read_text()
+    assert '"key_ranges": [[0, 3]]' in body  # merged into one range
+    assert TrajectoryQueue(tmp_path).known_keys() == {0, 1, 2, 3, 4}
+
+
+def test_partial_take_returns_once_min_groups_are_ready(tmp_path):
+    q = TrajectoryQueue(tmp_path, capacity=8, batch_groups=4, max_ahead=1)
+    for key in range(4):
+        q.reserve(key)
+    q.put_many([make_group(0), make_group(2)])  # keys 1 and 3 are still being generated
+    with pytest.raises(QueueTimeout):  # the whole batch is not ready
+        q.take(4, 0, key_below=4, timeout=0.05)
+    r = q.take(4, 0, key_below=4, min_groups=2, timeout=0.05)
+    assert keys_of(r) == [0, 2]
+    q.put_many([make_group(1), make_group(3), make_group(4)])
+    r = q.take(4, 1, key_below=8, min_groups=2, max_staleness=1, timeout=0.05)
+    assert keys_of(r) == [1, 3, 4] and r.staleness == [1, 1, 1]  # carried over first, versions kept
+
+
 def test_stale_groups_dropped_or_reweighted_and_counted(tmp_path):
     q = TrajectoryQueue(tmp_path)
     q.put_many([make_group(0, version=1), make_group(1, version=3), make_group(2, version=4), make_group(3, 5)])

@@ -129,6 +129,21 @@ def test_unreachable_server_hands_its_groups_to_another(plugins, model_dir, fake
         backend.close()
 
 
+def test_every_server_down_mid_batch_is_rollout_unavailable(plugins, model_dir, fakes, tmp_path):
+    """The overlapped driver turns this into WorkerLost: prompts re-queued, worker restarted and resynced."""
+    from rlctl.contracts.errors import RolloutUnavailable
+
+    backend = _backend(plugins, model_dir, fakes, tmp_path)
+    try:
+        backend.update_weights(_update(1))
+        for server in fakes:
+            server.close()
+        with pytest.raises(RolloutUnavailable, match="no rollout server"):
+            backend.generate(_requests(4))
+    finally:
+        backend.close()
+
+
 def test_update_that_is_never_confirmed_fails_naming_the_server(plugins, model_dir, tmp_path):
     good, bad = FakeSGLang(), FakeSGLang()
     try:

@@ -51,3 +51,14 @@ def test_overlap_beats_sync_and_tail_raises_staleness():
     two = predict(params("async", 2, learn_s=0.5, token_s=0.01), tail)
     assert one.steps_per_s > sync.steps_per_s and two.steps_per_s >= one.steps_per_s * 0.98
     assert one.staleness_p95 <= 1 and two.staleness_p95 <= 2 and two.staleness_mean >= one.staleness_mean - 0.05
+
+
+def test_partial_rollout_waits_less_and_keeps_the_bound():
+    """one_step_off with partial_fraction 0.5: the learner proceeds on half a batch; carried groups obey dv <= 1."""
+    tail = pareto(1.2, 2, 64)
+    full = predict(params("one_step_off", 1, learn_s=0.3, token_s=0.01, workers=4, chunk=2), tail)
+    partial = predict(params("one_step_off", 1, learn_s=0.3, token_s=0.01, workers=4, chunk=2, min_groups=4), tail)
+    assert partial.learner_wait_share < full.learner_wait_share
+    assert partial.staleness_p95 <= 1 and full.staleness_p95 <= 1
+    assert partial.groups_per_s <= partial.steps_per_s * 8 + 1e-9 and full.groups_per_s == pytest.approx(
+        full.steps_per_s * 8)

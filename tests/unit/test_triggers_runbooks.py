@@ -85,7 +85,7 @@ def test_above_flags_exactly_the_steps_over_the_bound(values: list[float], bound
 def test_shipped_runbooks_cover_every_incident_and_validate() -> None:
     books = {b.name: b for b in load_runbooks(REPO / "runbooks")}
     assert {"reward-drop-or-nan", "oom", "verifier-timeouts", "queue-lag", "length-collapse-or-reward-hacking",
-            "weight-sync-failure", "hang", "instability"} <= set(books)
+            "weight-sync-failure", "hang", "instability", "network-partition", "worker-crash"} <= set(books)
     for book in books.values():
         assert book.checks and all(c.startswith("rlctl ") for c in book.checks)
     assert runbook_dirs()[0] == REPO / "runbooks"

@@ -41,6 +41,7 @@ from rlctl.contracts.types import WeightManifest, WeightShard
 from rlctl.engine.transports import load_blob, safetensors_parts
 from rlctl.engine.weight_codec import ShardDraft, manifest_from_dict, manifest_to_dict
 from rlctl.engine.durable import fsync_path
+from rlctl.engine.faults import fault_site
 
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{8})-(full|delta)$")
@@ -161,6 +162,7 @@ class DiskTransport:
 
     def _write_shard(self, path: Path, shard: ShardDraft, parts: list[memoryview]) -> int:
         with open(path, "wb", buffering=0) as f:
+            fault_site("weights.write", path=str(path))  # a failed write (injected: ENOSPC) leaves no manifest
             for part in parts:
                 while part:
                     part = part[f.write(part):]
