@@ -41,6 +41,33 @@ GRIDS: dict[str, list[list[str]]] = {
         ["algo.prompts_per_step=32", "train.steps=40"],
         ["rollout.temperature=0.7"],
     ],
+    # Why 60 GRPO steps from a 40%-dev warm start gained on one machine and not on another, and what gains from
+    # more than one warm start (README, "What the quickstart does"). Every row names its warm start in full:
+    # W40 = target 40% (the earlier quickstart), W30 = target 30% (now the default), W30s1 = the same with SFT seed 1.
+    "robust": [
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60"],  # 0: W40, the earlier quickstart
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "rollout.temperature=0.7"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "rollout.temperature=0.5"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "algo.prompts_per_step=32"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "algo.group_size=16"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "algo.group_size=16",
+         "algo.prompts_per_step=32"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=30", "algo.prompts_per_step=64",
+         "train.optim.lr=1e-4"],
+        ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60", "algo.ppo_epochs=2", "algo.num_mini_batches=2"],
+        ["train.steps=60"],  # 8: W30
+        ["model.warm_start.seed=1", "train.steps=60"],  # 9: W30s1
+        ["model.warm_start.seed=1", "train.steps=60", "algo.prompts_per_step=32"],
+        ["model.warm_start.seed=1", "train.steps=60", "train.optim.lr=4e-5"],
+        ["model.warm_start.seed=1", "train.steps=60", "algo.group_size=16"],
+        ["train.steps=120"],
+        ["model.warm_start.seed=1", "train.steps=120"],
+        [],  # 15: W30, 100 steps: the quickstart now
+        ["model.warm_start.seed=1"],  # 16: W30s1, 100 steps
+        ["train.steps=60", "train.optim.lr=1e-6"],  # 17: control: a near-zero step in the reward's direction
+        ["model.warm_start.target_dev_accuracy=0.4"],  # 18: W40, 100 steps
+        ["model.warm_start.target_dev_accuracy=0.5", "train.steps=60"],  # 19: W50
+    ],
     "ppo": [
         ["algo.name=ppo"],
         ["algo.name=ppo", "algo.critic.lr=1e-4"],

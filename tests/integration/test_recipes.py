@@ -42,3 +42,13 @@ def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):
     report = json.loads(proc.stdout)
     assert all(c["ok"] for c in report["checks"]), report["checks"]
     assert report["shape"]["num_layers"] == 28
+
+
+def test_quickstart_recipes_share_its_warm_start():
+    """Each quickstart-<algo>.yaml starts RL from the quickstart's cached warm start (same model section, so the
+    same cache key): the algorithm table compares estimators from one policy, and no recipe rebuilds the SFT stage."""
+    base = load_config(REPO / "configs" / "quickstart.yaml").model
+    recipes = [p for p in sorted((REPO / "configs").glob("quickstart-*.yaml")) if "sloppy" not in p.name]
+    assert recipes
+    for path in recipes:
+        assert load_config(path).model == base, path.name
