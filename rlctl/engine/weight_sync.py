@@ -155,9 +155,13 @@ def decode_manifest(manifest: WeightManifest, stored: Mapping[str, Any], *, base
     return WeightUpdate(version=manifest.version, state_dict=state, fingerprint=manifest.fingerprint)
 
 
+MAX_BACKOFF_S = 30.0  # a long outage is retried every 30 s, not at ever longer gaps
+
+
 def await_confirmation(confirm: Callable[[], tuple[bool, str]], *, what: str, retries: int, backoff_s: float,
                        sleep: Callable[[float], None] = time.sleep) -> int:
-    """Call ``confirm`` until it reports success; at most ``retries`` extra tries with doubling backoff.
+    """Call ``confirm`` until it reports success; at most ``retries`` extra tries with doubling backoff
+    (capped at ``MAX_BACKOFF_S``).
 
     ``confirm`` returns (ok, detail). Returns the number of tries used. Past
     the bound, raises a RoleError naming ``what`` and the last detail: the
@@ -169,6 +173,6 @@ def await_confirmation(confirm: Callable[[], tuple[bool, str]], *, what: str, re
         if ok:
             return attempt + 1
         if attempt < retries:
-            sleep(backoff_s * (2 ** attempt))
+            sleep(min(backoff_s * (2 ** attempt), MAX_BACKOFF_S))
     raise RoleError(f"{what} not confirmed after {retries + 1} tries: {detail}",
                     "the learner stayed paused at this version; fix or restart that rollout server, then resume")

@@ -265,6 +265,10 @@ def test_confirmation_retries_then_succeeds_and_past_the_bound_raises():
         await_confirmation(lambda: (False, "still at v3"), what="v4 on s1", retries=2, backoff_s=0.1,
                            sleep=sleeps.append)
     assert "paused" in (err.value.hint or "") and sleeps == [0.1, 0.2]
+    sleeps.clear()
+    with pytest.raises(RoleError):  # a long outage: the doubling stops at the cap
+        await_confirmation(lambda: (False, "down"), what="v4 on s1", retries=8, backoff_s=0.5, sleep=sleeps.append)
+    assert sleeps == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
 # -- torch.distributed (gloo) ----------------------------------------------------------------
