@@ -234,10 +234,10 @@ class WorkerCrash:
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
         def handler(value: Any, clients: Any = (), **_: Any) -> Any:
-            if not ctx.due() or self.options.server >= len(clients):
+            if self.options.server >= len(clients) or not ctx.due():
                 return value
             client = clients[self.options.server]
-            if ctx.target and client.url != ctx.target.rstrip("/"):
+            if (ctx.target and client.url != ctx.target.rstrip("/")) or not ctx.take():
                 return value
             host = client.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
             if host not in ("127.0.0.1", "localhost", "[::1]"):
@@ -254,7 +254,7 @@ class WorkerCrash:
 
         def on_worker(value: Any, worker: Any = None, **_: Any) -> Any:
             pid_of = getattr(worker, "pid", None)  # Ray workers; in-process thread workers have no process
-            if pid_of is None or (ctx.target and worker.name != ctx.target) or not ctx.due():
+            if pid_of is None or (ctx.target and worker.name != ctx.target) or not ctx.take():
                 return value
             pid = pid_of()
             ctx.fire(f"rollout worker {worker.name} (pid {pid}) SIGKILLed", {"worker": worker.name, "pid": pid})

@@ -120,8 +120,9 @@ def helper_command(package_parent: str) -> list[str]:
     return [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
             *[x for k, v in (_HELPER_ENV | {"PYTHONPATH": package_parent}).items() for x in ("--setenv", k, v)],
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", *binds, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--chdir", "/tmp", "--remount-ro", "/", *argv]
+            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            # the binds after the private /tmp, so an interpreter or checkout under /tmp stays visible
+            *binds, "--chdir", "/tmp", "--remount-ro", "/", *argv]
 
 
 class _Worker:

@@ -78,6 +78,7 @@ class FaultContext:
         self._record = record
         self.fired_steps = set(fired_steps or ())
         self.num_fired = 0
+        self._claim = threading.Lock()
 
     def in_window(self) -> bool:
         step = self.step()
@@ -85,6 +86,15 @@ class FaultContext:
 
     def due(self) -> bool:
         return self.in_window() and self.step() not in self.fired_steps
+
+    def take(self) -> bool:
+        """``due()`` and claim the step in one go: True for exactly one caller per step, also when several
+        rollout workers reach the fault site at once (checking ``due()`` then firing would let two fire)."""
+        with self._claim:
+            if not self.due():
+                return False
+            self.fired_steps.add(self.step())
+            return True
 
     def fire(self, message: str, data: dict[str, Any] | None = None) -> None:
         step = self.step()
