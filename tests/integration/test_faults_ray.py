@@ -53,15 +53,18 @@ def test_a_killed_rollout_actor_is_restarted_and_its_prompts_regenerated(ray_clu
     result, reg, run_dir = _train(
         _rlctl_home, tmp_path, "ray", "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
         "cluster.learner_num_cpus=0.5", "mode=sync", f"train.steps={steps}", "staleness.take_timeout_s=300",
-        "faults.inject=" + json.dumps([{"kind": "worker-crash", "at_step": 2}]))
+        # A two-step window: which driver step a rollout call happens in is a race with the learner (a call for
+        # step 2 may start while the driver still counts step 1), so "exactly at step 2" could miss entirely.
+        "faults.inject=" + json.dumps([{"kind": "worker-crash", "at_step": 2, "count": 2}]))
     assert result.run.status == "succeeded"
-    [fired] = _events(reg, run_dir, "fault_injected")
-    assert fired.data["worker"].startswith("ray-") and isinstance(fired.data["pid"], int)
-    [lost] = _events(reg, run_dir, "rollout_worker_lost")
-    assert lost.data["failures"] == 1 and lost.data["requeued_prompts"] >= 1
+    fired = _events(reg, run_dir, "fault_injected")
+    assert 1 <= len(fired) <= 2, fired
+    assert all(f.data["worker"].startswith("ray-") and isinstance(f.data["pid"], int) for f in fired)
+    lost = _events(reg, run_dir, "rollout_worker_lost")
+    assert sum(e.data["failures"] for e in lost) == len(fired) and lost[-1].data["requeued_prompts"] >= 1
     assert "worker-crash" in {e.data["runbook"] for e in _events(reg, run_dir, "alert")}
     m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
     assert sorted({s for s, name in m if name == "reward_mean"}) == list(range(steps))
-    assert m[(steps - 1, "rollout_worker_failures")] == 1
+    assert m[(steps - 1, "rollout_worker_failures")] == len(fired)
     report = audit(run_dir / "queue")
     assert report.lost == () and report.double_counted == 0
