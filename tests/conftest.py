@@ -96,3 +96,24 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.section(title)
             for line in lines:
                 terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local 2-CPU Ray cluster for the whole test session (the ray-marked tests share it)."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on 2 busy shared cores that can pass
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     _temp_dir=str(tmp_path_factory.mktemp("ray")))
+            break
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if "timed out during startup" not in str(err) or attempt == 2:
+                raise
+    yield
+    ray.shutdown()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import queue
 import select
 import signal
 import socket
@@ -79,6 +80,17 @@ def await_job(job: Any, *, gone: Callable[[], bool] | None, timeout_s: float | N
         if deadline is not None and time.monotonic() >= deadline:
             job.cancelled.set()
             raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+
+
+def fail_queued(jobs: "queue.Queue[Any]", stop: Any, err: Exception) -> None:
+    """Fail every job still waiting in ``jobs`` (skipping the ``stop`` sentinel) with ``err``: shutdown."""
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return
+        if job is not stop and not job.future.done():
+            job.future.set_exception(err)
 
 
 def json_repr(value: Any) -> str:

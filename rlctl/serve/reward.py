@@ -51,8 +51,8 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import ModelError, RlctlError, RoleError
 from rlctl.serve.http_common import (
-    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, await_job, json_repr,
-    serve_until_signal,
+    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, await_job, fail_queued,
+    json_repr, serve_until_signal,
 )
 
 HASH_VERSION = "1"  # bump when what model_hash covers changes
@@ -307,13 +307,7 @@ class ScoreWorker:
 
     def _fail_all(self) -> None:
         err = Cancelled("the server is shutting down", "retry on another server")
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not _STOP and not job.future.done():
-                job.future.set_exception(err)
+        fail_queued(self._queue, _STOP, err)
 
 
 # -- the service ---------------------------------------------------------------------------------

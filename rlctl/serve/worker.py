@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import RolloutRequest, Trajectory
-from rlctl.serve.http_common import Cancelled, await_job
+from rlctl.serve.http_common import Cancelled, await_job, fail_queued
 from rlctl.serve.sglang_api import Row
 
 
@@ -302,13 +302,7 @@ class EngineWorker:
 
     def _fail_all(self) -> None:
         err = Cancelled("the server is shutting down", "retry on another server")
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not _STOP and not job.future.done():
-                job.future.set_exception(err)
+        fail_queued(self._queue, _STOP, err)
         for job in self._active:
             if not job.future.done():
                 job.future.set_exception(err)

@@ -20,32 +20,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 pytest.importorskip("ray")
 
 
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A local 2-CPU Ray cluster, or the one tests/integration/test_ray.py already started in this session."""
-    import os
-
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on 2 busy shared cores that can pass
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     _temp_dir=str(tmp_path_factory.mktemp("ray")))
-            break
-        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
-            ray.shutdown()
-            if "timed out during startup" not in str(err) or attempt == 2:
-                raise
-    yield
-    ray.shutdown()
-
-
 def test_a_killed_rollout_actor_is_restarted_and_its_prompts_regenerated(ray_cluster, _rlctl_home, tmp_path):
     from rlctl.engine.async_loop import audit
 

@@ -13,7 +13,6 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,25 +20,6 @@ from tests.integration.test_async_loop import ListSink, session_for
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    started = time.perf_counter()
-    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on 2 busy shared cores that can pass
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     _temp_dir=str(tmp_path_factory.mktemp("ray")))
-            break
-        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
-            ray.shutdown()
-            if "timed out during startup" not in str(err) or attempt == 2:
-                raise
-    print(f"ray.init: {time.perf_counter() - started:.1f}s")
-    yield
-    ray.shutdown()
 
 
 def run_ray(plugins, home, directory, *overrides, observer=None, checkpoint_every=0):
