@@ -109,7 +109,7 @@ class Killer(threading.Thread):
                 pass
 
 
-def _kill_run(plugins, home, directory, who: str, kills: int, seed: int, max_steps: int = 400):
+def _kill_run(plugins, home, directory, who: str, kills: int, seed: int, max_steps: int = 1000):
     from rlctl.dist import ray as dist_ray
     from rlctl.engine.async_loop import audit
 
@@ -126,8 +126,8 @@ def _kill_run(plugins, home, directory, who: str, kills: int, seed: int, max_ste
     def pids(rng):
         placement = holder["placement"]
         if who == "learner":
-            return ray.get(placement.learner_actor.pid.remote(), timeout=2)
-        return ray.get(rng.choice(placement.actors).pid.remote(), timeout=2)
+            return ray.get(placement.learner_actor.pid.remote(), timeout=10)
+        return ray.get(rng.choice(placement.actors).pid.remote(), timeout=10)
 
     killer = Killer(pids, kills, seed)
 
