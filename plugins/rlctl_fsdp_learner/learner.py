@@ -125,8 +125,7 @@ class _Rank(TorchLearner):
             optimizer={"param_groups": state_codec.clone(groups)},
             scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
             rng={"minibatch_order": self.generator.get_state()},
-            counters={"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
-                      "oom_recoveries": self.oom_recoveries, "world_size": dist.get_world_size()},
+            counters={**self._counters(), "world_size": dist.get_world_size()},
             shard_dir=directory)
 
     def load_shards(self, state: LearnerState) -> None:
@@ -152,12 +151,7 @@ class _Rank(TorchLearner):
                 per_param.setdefault(name, {})[field] = tensor
         set_optimizer_state_dict(self.model, self.optimizer,
                                  {"state": per_param, "param_groups": state.optimizer["param_groups"]})
-        self.scheduler.load_state_dict(state.scheduler)
-        self.generator.set_state(state.rng["minibatch_order"])
-        self.policy_version = state.policy_version
-        self.nan_skips = int(state.counters.get("nan_skips", 0))
-        self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
-        self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
+        self._restore_progress(state)
 
 
 def _non_strict() -> Any:

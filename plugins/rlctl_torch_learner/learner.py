@@ -312,10 +312,21 @@ class TorchLearner:
             weights={k: v.detach().to("cpu", copy=True) for k, v in self._master_state().items()},
             model_files=self._model_files(), optimizer=state_codec.clone(self.optimizer.state_dict()),
             scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
-            rng={"minibatch_order": self.generator.get_state()},
-            counters={"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
-                      "oom_recoveries": self.oom_recoveries},
+            rng={"minibatch_order": self.generator.get_state()}, counters=self._counters(),
         )
+
+    def _counters(self) -> dict[str, int]:
+        return {"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
+                "oom_recoveries": self.oom_recoveries}
+
+    def _restore_progress(self, state: LearnerState) -> None:
+        """Everything but weights and optimizer: LR schedule, mini-batch RNG, version, counters."""
+        self.scheduler.load_state_dict(state.scheduler)
+        self.generator.set_state(state.rng["minibatch_order"])
+        self.policy_version = state.policy_version
+        self.nan_skips = int(state.counters.get("nan_skips", 0))
+        self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
+        self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
 
     def load_checkpoint_state(self, state: LearnerState) -> None:
         current = _unaliased(self.model.state_dict())
@@ -334,12 +345,7 @@ class TorchLearner:
                 if tensor.data_ptr() in masters:
                     masters[tensor.data_ptr()].copy_(state.weights[name])
         self.optimizer.load_state_dict(state.optimizer)
-        self.scheduler.load_state_dict(state.scheduler)
-        self.generator.set_state(state.rng["minibatch_order"])
-        self.policy_version = state.policy_version
-        self.nan_skips = int(state.counters.get("nan_skips", 0))
-        self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
-        self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
+        self._restore_progress(state)
 
     def _masters_by_storage(self) -> dict[int, torch.Tensor]:
         if self.master is None:
