@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.config.load import load_config
+from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_cli import REPO, rlctl
 
 SEVEN_B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
@@ -52,3 +53,37 @@ def test_quickstart_recipes_share_its_warm_start():
     assert recipes
     for path in recipes:
         assert load_config(path).model == base, path.name
+
+
+QUICKSTART_RECIPES = sorted(p for p in (REPO / "configs").glob("quickstart-*.yaml") if "sloppy" not in p.name)
+
+
+def test_quickstart_recipes_are_the_quickstart_with_one_estimator():
+    """configs/quickstart-<name>.yaml names estimator <name>, and everything the algorithm table holds fixed is the
+    quickstart's: task, rollout, reward, eval, step count, batch shape (16 prompts x 8). Only the estimator's settings
+    and the lr (swept on dev, README) may differ, so the recipes cannot drift from the quickstart again."""
+    base = load_config(REPO / "configs" / "quickstart.yaml")
+    names = {p.name.removeprefix("quickstart-").removesuffix(".yaml") for p in QUICKSTART_RECIPES}
+    assert names == {"dapo", "dr_grpo", "gspo", "ppo", "reinforce_pp", "rloo"}
+    for path in QUICKSTART_RECIPES:
+        config = load_config(path)
+        assert config.algo.name == path.name.removeprefix("quickstart-").removesuffix(".yaml"), path.name
+        assert config.run.name == path.stem, path.name
+        for section in ("task", "rollout", "reward", "eval", "checkpoint"):
+            assert getattr(config, section) == getattr(base, section), (path.name, section)
+        assert (config.train.steps, config.train.seeds) == (base.train.steps, base.train.seeds), path.name
+        assert (config.algo.group_size, config.algo.prompts_per_step) == (base.algo.group_size,
+                                                                         base.algo.prompts_per_step), path.name
+        assert config.train.optim.lr in (1e-5, 2e-5, 4e-5), path.name  # a value of the dev sweep's grid
+
+
+@pytest.mark.parametrize("path", QUICKSTART_RECIPES, ids=lambda p: p.name)
+def test_quickstart_recipe_dry_runs(path: Path, plugins, tmp_path):
+    """Each recipe passes the dry run with its measured smoke step: two real steps of its estimator and its
+    algo settings (the critic's too for ppo), on the tiny model shape so the default suite stays fast."""
+    from rlctl.ops.dryrun import DryrunOptions, dryrun
+
+    report = dryrun(load_config(path, TINY_OVERRIDES), plugins, tmp_path, DryrunOptions())
+    assert all(c.ok for c in report.checks), report.checks
+    assert report.smoke is not None and report.smoke.steps == 2
+    assert report.workload.critic == (path.name == "quickstart-ppo.yaml")  # the critic is in the memory ledger
