@@ -41,7 +41,7 @@ print("status:", out["run"]["status"], "| wall_s:", out.get("wall_s"), "| last m
 PY
 
 # 3. ~0.5B Qwen2, fsdp2 on one GPU: step time, peak memory, ledger vs torch.cuda.max_memory_allocated per role
-MODELS=${MODELS:-$OUT/models}
+MODELS=${MODELS:-${TMPDIR:-/tmp}/rlctl-gpu-models}  # ~2 GB of fp32 weights: kept out of $OUT
 SHAPE=(--shape qwen2-0.5b --vocab qwen --prompts 8 --group 4 --max-tokens 64 --models "$MODELS")
 timeout 100 "$PY" bench/fsdp_ledger.py --device cuda "${SHAPE[@]}" --steps 5 --micro-batch 8 2>&1 \
     | tee "$OUT/fsdp_ledger.txt"
