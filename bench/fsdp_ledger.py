@@ -92,8 +92,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                          "ref_logprobs": "train"})
     times: list[float] = []
     longest = [1.0]
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     try:
         with meter:
             for step in range(args.steps):
@@ -107,7 +105,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - started)
                 longest.append(float(metrics.get("response_length_max", 1.0)))
-        peak = int(torch.cuda.max_memory_allocated()) if args.device == "cuda" else d.rss_peak_bytes()
+        # the meter resets the CUDA peak at each phase's start: the run's peak is the largest phase peak (or what
+        # came after the last phase, within the same step)
+        peak = (max([int(torch.cuda.max_memory_allocated()), *meter.peaks.values()]) if args.device == "cuda"
+                else d.rss_peak_bytes())
     finally:
         session.rollout.close()
         session.learner.close()
@@ -141,7 +142,8 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     print(f"step time: median {statistics.median(steady):.3f} s over steps 2-{len(times)} "
           f"(all: {', '.join(f'{t:.3f}' for t in times)}); generated tokens/step "
           f"{out['metrics'].get('response_length_mean', 0) * args.prompts * args.group:.0f}")
-    label = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS (whole process)"
+    label = ("torch.cuda.max_memory_allocated, largest phase" if args.device == "cuda"
+             else "peak RSS (whole process)")
     print(f"peak memory ({label}): {fmt_bytes(out['peak'])}")
     print(f"\ndry-run ledger vs measured per role ({out['meter']}); ratio = ledger / measured")
     print(f"{'phase':<14}{'role':<28}{'ledger':>12}{'measured':>12}{'ratio':>8}")
