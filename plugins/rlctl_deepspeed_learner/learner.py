@@ -205,7 +205,8 @@ class _Rank(TorchLearner):
         if getattr(self, "_mesh_cache", None) is None:
             import torch.distributed as dist
 
-            self._mesh_cache = init_device_mesh(self.device.type, (dist.get_world_size(),))
+            # the blocks live on the CPU whatever the device: gloo carries them (the group is "cpu:gloo,cuda:nccl")
+            self._mesh_cache = init_device_mesh("cpu", (dist.get_world_size(),))
         return self._mesh_cache
 
     def _piece(self, full: torch.Tensor) -> Any:

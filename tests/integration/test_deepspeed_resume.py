@@ -18,10 +18,11 @@ import pytest
 
 from tests.integration import test_resume as r
 from tests.integration.test_cli import rlctl
-from tests.integration.test_fsdp_resume import home  # noqa: F401  (the module's RLCTL_HOME fixture)
+from tests.integration import test_fsdp_resume
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
+home = test_fsdp_resume.home  # the module's RLCTL_HOME fixture (sharing the session's warm-start cache)
 
 DS = ("train.learner=deepspeed", "train.learner_options.zero_stage=3", "train.learner_options.world_size=2",
       "train.steps=5", "checkpoint.every_steps=2", "checkpoint.async_save=false")

@@ -7,8 +7,9 @@ saved weights; its next step must agree with the 2-rank learner's own next
 step to 1e-6. It checkpoints again and a 2-rank ZeRO-2 learner loads that
 (1 -> 2, and a different stage): bitwise the saved weights, AdamW moments
 included (its next step agrees with the 1-rank learner's to 1e-6). The
-consolidated ``export_hf`` equals the gathered weights. Skipped without the
-deepspeed extra.
+consolidated ``export_hf`` equals the gathered weights, and since the layout is
+the FSDP2 learner's, a 1-rank FSDP2 learner loads the ZeRO-3 checkpoint too
+(bitwise; its next step within 1e-6). Skipped without the deepspeed extra.
 """
 
 from __future__ import annotations
@@ -88,3 +89,26 @@ def test_zero3_save_reshard_two_to_one_then_one_to_two_under_zero2_then_export(s
     weights = load_file(exported / "model.safetensors")
     assert set(weights) <= set(saved) and "model.embed_tokens.weight" in weights
     assert max(float((v - saved[k]).abs().max()) for k, v in weights.items()) == 0.0
+
+    from rlctl_fsdp_learner.learner import FsdpLearner
+    from rlctl_fsdp_learner.options import FsdpLearnerOptions
+
+    fsdp = FsdpLearner(learner_context(session, micro_batch_size=8), FsdpLearnerOptions(world_size=1,
+                                                                                        rank_timeout_s=60))
+    try:
+        fsdp.load_shards(load_checkpoint(path).learner)
+        assert fsdp.policy_version == 2
+        assert _common_diff(fsdp.export_weights().state_dict, saved) == 0.0
+        stats = fsdp.train_step(batch)
+        assert abs(stats["loss"] - after_two["loss"]) <= 1e-6
+        assert _common_diff(fsdp.export_weights().state_dict, next_two) <= 1e-6
+    finally:
+        fsdp.close()
+
+
+def _common_diff(a: dict, b: dict) -> float:
+    """Largest difference over the names both hold (the learners differ in listing a tied alias)."""
+    common = set(a) & set(b)
+    assert "model.embed_tokens.weight" in common and len(common) >= len(b) - 1
+    return max(float((a[k] - b[k]).abs().max()) for k in common)
+
