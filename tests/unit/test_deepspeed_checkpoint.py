@@ -112,3 +112,41 @@ def _common_diff(a: dict, b: dict) -> float:
     assert "model.embed_tokens.weight" in common and len(common) >= len(b) - 1
     return max(float((a[k] - b[k]).abs().max()) for k in common)
 
+
+
+def test_bf16_zero2_checkpoint_restores_the_fp32_masters_and_moments(session, tmp_path):
+    """bf16 mode: the checkpoint holds the fp32 master weights (not the bf16 compute copy); a fresh learner that
+    loads it steps exactly like the one that saved it (1 rank, ZeRO-2: the bf16 copy is refreshed from the master)."""
+    from rlctl_deepspeed_learner.learner import DeepSpeedLearner
+    from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
+
+    from rlctl.engine.checkpoint import DiskCheckpointStore, load_checkpoint
+    from rlctl.engine.shards import shapes
+
+    def bf16():
+        return DeepSpeedLearner(learner_context(session, micro_batch_size=8),
+                                DeepSpeedLearnerOptions(zero_stage=2, world_size=1, dtype="bfloat16"))
+
+    batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
+    store = DiskCheckpointStore(tmp_path / "ckpt", keep_last=5, async_save=False)
+    first = bf16()
+    try:
+        for _ in range(2):
+            first.train_step(batch)
+        path = _commit(store, first, 2, session)
+        saved = first.export_weights().state_dict
+        after = (first.train_step(batch), first.export_weights().state_dict)
+    finally:
+        first.close()
+    import torch
+
+    assert {dtype for _, dtype in shapes(f"{path}/shards").values()} == {torch.float32}
+    second = bf16()
+    try:
+        second.load_shards(load_checkpoint(path).learner)
+        assert _max_diff(second.export_weights().state_dict, saved) == 0.0
+        stats = second.train_step(batch)
+        assert stats["loss"] == after[0]["loss"]
+        assert _max_diff(second.export_weights().state_dict, after[1]) == 0.0
+    finally:
+        second.close()
