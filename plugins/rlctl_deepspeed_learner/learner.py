@@ -71,7 +71,7 @@ def _quiet_environment() -> None:
 
 
 def _forget_previous_groups() -> None:
-    """Drop DeepSpeed's module-level caches of process groups from an earlier learner in this process.
+    """Drop DeepSpeed's module-level state (process groups, ZeRO-3 parameter ids) from an earlier learner here.
 
     DeepSpeed keeps the world / data-parallel groups it derived in globals; after
     that learner's group was destroyed they name a dead group, and a second
@@ -88,6 +88,14 @@ def _forget_previous_groups() -> None:
                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
         if isinstance(getattr(groups, name, None), dict):
             getattr(groups, name).clear()
+    # ZeRO-3 numbers parameters and modules with process-wide counters (the module one is a mutable default
+    # argument) and the ranks compare those numbers (its prefetch trace): a second learner here would count on
+    # from the first while freshly spawned followers start at 0
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = Init.num_persisted_parameters = Init.num_persisted_elements = 0
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
 
 
 class _Rank(TorchLearner):

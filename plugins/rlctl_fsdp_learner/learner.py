@@ -303,7 +303,9 @@ class RankGroup:
             except queue.Empty:
                 break
         dead = [(r, p.exitcode) for r, p in enumerate(self._procs, 1) if not p.is_alive()]
-        if reports:
+        if isinstance(err, CheckpointError):  # rank 0's verdict on the checkpoint's files (every rank reads the same)
+            reason = None
+        elif reports:
             rank, message, _ = min(reports)
             reason = f"learner rank {rank} failed during {what}: {message}"
         elif dead:

@@ -117,11 +117,14 @@ def _common_diff(a: dict, b: dict) -> float:
 def test_bf16_zero2_checkpoint_restores_the_fp32_masters_and_moments(session, tmp_path):
     """bf16 mode: the checkpoint holds the fp32 master weights (not the bf16 compute copy); a fresh learner that
     loads it steps exactly like the one that saved it (1 rank, ZeRO-2: the bf16 copy is refreshed from the master)."""
+    from dataclasses import replace
+
     from rlctl_deepspeed_learner.learner import DeepSpeedLearner
     from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
 
+    from rlctl import CheckpointError
+    from rlctl.engine import shards
     from rlctl.engine.checkpoint import DiskCheckpointStore, load_checkpoint
-    from rlctl.engine.shards import shapes
 
     def bf16():
         return DeepSpeedLearner(learner_context(session, micro_batch_size=8),
@@ -140,7 +143,7 @@ def test_bf16_zero2_checkpoint_restores_the_fp32_masters_and_moments(session, tm
         first.close()
     import torch
 
-    assert {dtype for _, dtype in shapes(f"{path}/shards").values()} == {torch.float32}
+    assert {dtype for _, dtype in shards.shapes(f"{path}/shards").values()} == {torch.float32}
     second = bf16()
     try:
         second.load_shards(load_checkpoint(path).learner)
@@ -148,5 +151,9 @@ def test_bf16_zero2_checkpoint_restores_the_fp32_masters_and_moments(session, tm
         stats = second.train_step(batch)
         assert stats["loss"] == after[0]["loss"]
         assert _max_diff(second.export_weights().state_dict, after[1]) == 0.0
+        other = tmp_path / "other-model"  # shards of a model with another shape: one error naming the tensor
+        shards.dcp_save({"model.model.norm.weight": torch.ones(7)}, other)
+        with pytest.raises(CheckpointError, match=r"model shape changed since the checkpoint: .* is missing"):
+            second.load_shards(replace(load_checkpoint(path).learner, shard_dir=str(other)))
     finally:
         second.close()
