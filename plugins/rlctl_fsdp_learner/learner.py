@@ -65,7 +65,8 @@ class _Rank(TorchLearner):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # fp32 weights on every rank: they become the master shards; bf16 is FSDP's compute dtype
-        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False))
+        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False,
+                                                 gradient_checkpointing=options.gradient_checkpointing))
         if rank != 0:
             self.reference = None  # reference log-probs are computed by rank 0 alone
         kw: dict[str, Any] = {"mesh": init_device_mesh(self.device.type, (world,))}
