@@ -191,7 +191,13 @@ class _FaultRelay:
 
     def sync(self, step: int | None = None) -> None:
         with self._lock:
-            events, recoveries = ray.get(self.broker.sync.remote(step), timeout=READY_TIMEOUT_S)
+            try:
+                events, recoveries = ray.get(self.broker.sync.remote(step), timeout=READY_TIMEOUT_S)
+            except (*_LOST, GetTimeoutError) as err:
+                raise RoleError(f"the run's fault broker actor is gone ({type(err).__name__}): injected faults "
+                                "and the actors' recovery reports can no longer be recorded",
+                                "resume the run with `rlctl resume`; check the Ray session's logs for why the "
+                                "actor died") from None
             for index, message, data in events:
                 ctx = self.contexts.get(index)
                 if ctx is not None:
@@ -203,6 +209,8 @@ class _FaultRelay:
         self._remove()
         try:
             self.sync()
+        except RoleError:
+            pass  # the run is ending anyway; what already reached the driver is recorded
         finally:
             for ctx in self.contexts.values():
                 ctx.share(None)
