@@ -486,6 +486,17 @@ class RayPlacement:
                             f"(it has {ray.cluster_resources()})",
                             "lower cluster.num_rollout_workers or the per-actor num_cpus/num_gpus, or add nodes") from None
         self.relay = _FaultRelay(armed_plan())  # the run's faults armed in every actor; recoveries reported back
+        try:
+            self._start_actors(session, plugins)
+        except BaseException:
+            self.relay.close()  # no listener or shared fault contexts outlive a placement that never started
+            remove_placement_group(self.pg)
+            if self._started:
+                ray.shutdown()
+            raise
+
+    def _start_actors(self, session: Any, plugins: Any) -> None:
+        cfg = self.cfg
         faults = self.relay.spec
         self.local_learner = session.learner
         config, s = session.config, session
@@ -507,7 +518,7 @@ class RayPlacement:
             ).remote(config.rollout.backend, config.rollout.options,
                      RolloutContext(model_dir=str(s.policy_dir), tokenizer_hash=s.tokenizer_hash,
                                     seed=config.run.seed + 1000 * i), max(1, int(cfg.rollout_num_cpus)), faults)
-            for i in range(n)
+            for i in range(cfg.num_rollout_workers)
         ]
         session.learner = self.learner
         self.local_pool, self.reward_pool = session.reward_pool, None
