@@ -9,7 +9,11 @@ the overlapped loop. This is the only module of rlctl that imports ray.
 A restarted rollout actor comes back with its initial weights; the loop
 loads the current version into it before it serves (RayWorker.restart waits
 until the actor answers again). A restarted learner actor comes back at
-version 0 and is restored from the newest checkpoint by the loop.
+version 0 and is restored from the newest checkpoint by the loop. An actor
+killed while idle is restarted by Ray without any call failing, and the next
+call would run on the new process; so a restarted actor refuses work
+(``ActorReset``, seen by the loop as WorkerLost / LearnerLost) until it has
+been given the current weights or checkpoint state.
 
 With ``reward.workers`` > 1 the graders run as Ray actors too
 (``RayRewardPool``, the same RewardPool contract as the process pool): one
@@ -217,6 +221,15 @@ class _FaultRelay:
             ray.kill(self.broker, no_restart=True)
 
 
+class ActorReset(Exception):
+    """A restarted actor was called before the driver restored its state (it holds its initial state)."""
+
+
+def _reconstructed() -> bool:
+    """Whether this actor process is a restart (Ray re-ran the constructor after the previous one died)."""
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
 @ray.remote
 class RolloutActor:
     """Hosts one rollout backend built from the plugin registry inside the actor's process."""
@@ -229,12 +242,16 @@ class RolloutActor:
         plugins = load_plugins()
         _arm_faults(faults, plugins)
         self.backend = plugins.build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+        self.reset = _reconstructed()  # refuses to generate until the driver loads the current weights
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        if self.reset:  # killed while idle: Ray restarted it silently and queued this call for the new process
+            raise ActorReset("the rollout actor was restarted and holds its initial weights")
         return self.backend.generate(requests)
 
     def update_weights(self, update: WeightUpdate) -> int:
         self.backend.update_weights(update)
+        self.reset = False
         return update.version
 
     def pid(self) -> int:
@@ -253,12 +270,26 @@ class LearnerActor:
         plugins = load_plugins()
         _arm_faults(faults, plugins)
         self.learner = plugins.build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
+        # A restart (Ray re-runs this constructor) serves nothing until the driver restores it: a learner
+        # killed between calls would otherwise answer the next call silently from its initial state.
+        self.reset = _reconstructed()
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.learner, method)(*args)
+        if self.reset and method != "load_checkpoint_state":
+            raise ActorReset("the learner actor was restarted and holds its initial state")
+        result = getattr(self.learner, method)(*args)
+        if method == "load_checkpoint_state":
+            self.reset = False
+        return result
 
     def attr(self, name: str) -> Any:
+        if self.reset:
+            raise ActorReset("the learner actor was restarted and holds its initial state")
         return getattr(self.learner, name)
+
+    def accept_initial_state(self) -> None:
+        """The driver restores a restarted learner to the run's start (no checkpoint yet): its initial state."""
+        self.reset = False
 
     def pid(self) -> int:
         return os.getpid()
@@ -384,7 +415,7 @@ class RayWorker:
         fault_site("rollout.worker", worker=self)  # a worker crash (injected: SIGKILL of this actor's process)
         try:
             return ray.get(self.actor.generate.remote(list(requests)))
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             raise WorkerLost(f"{type(err).__name__}") from err
 
     def load_weights(self, update: WeightUpdate) -> None:
@@ -411,7 +442,7 @@ class RayLearner:
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return ray.get(self.actor.call.remote(method, *args))
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
 
@@ -419,6 +450,14 @@ class RayLearner:
     def policy_version(self) -> int:
         try:
             return ray.get(self.actor.attr.remote("policy_version"))
+        except (*_LOST, ActorReset) as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+
+    def accept_initial_state(self) -> None:
+        """Let a restarted learner actor serve from its initial state (recovery found no checkpoint yet)."""
+        try:
+            ray.get(self.actor.accept_initial_state.remote())
         except _LOST as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
