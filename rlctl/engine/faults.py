@@ -124,24 +124,27 @@ class FaultContext:
         self._claims = claims
 
     def in_window(self) -> bool:
-        step = self.step()
+        return self._in_window(self.step())
+
+    def _in_window(self, step: int) -> bool:
         return step >= self.at_step and (self.count is None or step < self.at_step + self.count)
 
     def due(self) -> bool:
-        if not self.in_window():
+        return self._open(self.step())
+
+    def _open(self, step: int) -> bool:
+        if not self._in_window(step) or step in self.fired_steps:
             return False
-        step = self.step()
-        claims = self._claims
-        return step not in self.fired_steps and (claims is None or not claims.fired(self.index, step))
+        return self._claims is None or not self._claims.fired(self.index, step)
 
     def take(self) -> bool:
         """``due()`` and claim the step in one go: True for exactly one caller per step, also when several
         rollout workers reach the fault site at once (checking ``due()`` then firing would let two fire), and
         across processes when the context is bound to ``SharedClaims``."""
         with self._claim:
-            if not self.due():
+            step = self.step()  # read once: another process's step may move on while this claims
+            if not self._open(step):
                 return False
-            step = self.step()
             if self._claims is not None and not self._claims.claim(self.index, step):
                 return False
             self.fired_steps.add(step)
@@ -153,7 +156,7 @@ class FaultContext:
         self.num_fired += 1
         data = {"kind": self.kind, "step": step, **(data or {})}
         if self._remote and self._claims is not None:
-            self._claims.mark(self.index, step, (message, data))  # synchronous: the driver holds it before we act
+            self._claims.mark(self.index, step, (message, data))  # synchronous: the arbiter holds it before we act
             return
         self._record(message, data)
         if self._claims is not None:
