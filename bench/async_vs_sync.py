@@ -20,7 +20,8 @@ two sides then never compete for one core (other processes on the machine still 
 
 Columns: median seconds per training step over the ``--repeats`` runs (interleaved across modes; each run's
 median over its steps 1..;
-step 0 includes thread / actor start-up) and its ratio to sync (> 1 = faster), the median run wall time of
+step 0 includes thread / actor start-up) and its ratio to sync (> 1 = faster), the learner side's median
+T_l (train) and T_s (weight export and publish) per step from the run's own timers, the median run wall time of
 the loop, trained and effective response tokens per second of step time, hidden pass@1 (greedy,
 ``--hidden`` prompts, first repeat) with the paired-bootstrap 95% CI of the difference to sync, measured
 mean Δv, and the staleness simulator's predictions (rlctl.ops.staleness, fed with the sync run's own
@@ -191,9 +192,11 @@ def summarize(runs: list[dict], prompts: int, group: int) -> dict:
     tokens = statistics.fmean(m["response_length_mean"] * m.get("groups_trained", prompts) * group for m in rows)
     esr = statistics.fmean(m["esr"] for m in rows)
     step_s = statistics.median(r["step_s"] for r in runs)
+    later = [m for r in runs for m in r["rows"][1:] or r["rows"]]  # step 0 includes start-up
     return {"name": first["name"], "config": first["config"], "scores": first["scores"], "rows": first["rows"],
             "step_s": step_s, "wall": statistics.median(r["wall"] for r in runs), "tps": tokens / step_s,
             "eff_tps": tokens * esr / step_s,
+            "t_l": statistics.median(m["T_l"] for m in later), "t_s": statistics.median(m["T_s"] for m in later),
             "dv": statistics.fmean(m.get("staleness_mean", 0.0) for m in rows),
             "drops": sum(r["rows"][-1].get(f"queue_drops_{k}", 0.0) for r in runs for k in ("stale", "ttl", "orphaned"))
             / len(runs)}
@@ -211,7 +214,8 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     print(f"\n## {workload}, model {shape}: {args.steps} steps x {args.prompts} prompts x G={args.group}, "
           f"placement {args.placement}, {args.workers} workers, chunk {args.chunk or 'B/workers'}{pin}, "
           f"median of {args.repeats} run(s)")
-    header = ("mode", "s/step", "x sync", "pred x sync", "wall s", "trained tok/s", "eff tok/s", "hidden pass@1",
+    header = ("mode", "s/step", "x sync", "pred x sync", "T_l s", "T_s s", "wall s", "trained tok/s", "eff tok/s",
+              "hidden pass@1",
               "diff vs sync [95% CI]", "dv mean", "pred dv mean", "pred miss", "drops")
     base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.groups_per_s
     print("| " + " | ".join(header) + " |")
@@ -229,11 +233,13 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
             pred, speedup = prediction.staleness_mean, prediction.groups_per_s / base
             miss = f"{pred - r['dv']:+.2f} ({abs(pred - r['dv']) / r['dv']:.0%})" if r["dv"] > 0 else f"{pred:+.2f}"
         print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {speedup:.2f} | "
-              f"{r['wall']:.1f} | "
+              f"{r['t_l']:.3f} | {r['t_s']:.3f} | {r['wall']:.1f} | "
               f"{r['tps']:.0f} | {r['eff_tps']:.0f} | {acc} | {diff} | {r['dv']:.2f} | {pred:.2f} | {miss} | "
               f"{r['drops']:.0f} |")
     cores = contention_cores(results[-1]["config"])
-    print(f"(x sync = sync s/step / mode s/step: > 1 is faster. The simulator (rlctl.ops.staleness) used sync's "
+    print(f"(x sync = sync s/step / mode s/step: > 1 is faster. T_l / T_s: median learner-side seconds per step "
+          f"from the run's own timers (batch building, advantages, the update and, overlapped, D_lag / exporting and "
+          f"publishing the weights). The simulator (rlctl.ops.staleness) used sync's "
           f"median T_r {smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s and {cores:g} shared "
           f"core(s) for this placement; pred miss = predicted - measured mean dv; with partial rollout a step "
           f"trains fewer groups, so compare trained tok/s)")

@@ -15,7 +15,8 @@ Settings (identical for both trainers): the task's train prompts; B prompts x G 
 temperature 1, top-p 1, top-k off, at most ``--max-tokens`` new tokens; reward = math + 0.1 x format with a
 response cut at max tokens scored 0 (rlctl's truncation rule, applied in TRL's reward function too); PPO clip
 0.2, one epoch, one mini-batch, all B x G sequences in one micro-batch, no KL reference (beta = 0), token-mean
-loss (TRL "dapo"), group-std advantage scaling, AdamW lr 5e-5 constant, grad clip 1.0, fp32.
+loss (TRL "dapo"), group-std advantage scaling, AdamW lr 5e-5 constant, grad clip 1.0, fp32, no activation
+checkpointing (TRL's GRPOConfig turns it on by default; this bench turns it off since 2026-12-02).
 
 Measurement: per shape, both trainers load the same directory and run interleaved in one process (TRL's
 step-end callback runs one rlctl step), so both see the same machine load. A step's wall time is, for rlctl,
@@ -62,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def rlctl_config(args: argparse.Namespace, model_dir: str | None = None) -> Any:
-    """The quickstart config at the benchmark's settings; ``model_dir`` (with ``--task``) for another shape."""
+def rlctl_config(args: argparse.Namespace, model_dir: str | None = None, extra: tuple[str, ...] = ()) -> Any:
+    """The quickstart config at the benchmark's settings; ``model_dir`` (with ``--task``) for another shape;
+    ``extra`` overrides last."""
     from rlctl.config.load import load_config
 
     overrides = [
@@ -79,30 +81,38 @@ def rlctl_config(args: argparse.Namespace, model_dir: str | None = None) -> Any:
             task = Path(args.task).resolve()
             overrides += ["task.source=jsonl", "task.options={train: %s, dev: %s, hidden: %s}"
                           % (task / "train.jsonl", task / "dev.jsonl", task / "hidden.jsonl")]
-    return load_config(REPO / "configs" / "quickstart.yaml", overrides)
+    return load_config(REPO / "configs" / "quickstart.yaml", [*overrides, *extra])
 
 
 class RlctlStepper:
     """Runs rlctl's real loop (rlctl.engine.loop.run_sync) one step at a time and times each step."""
 
-    def __init__(self, config: Any, home: Path) -> None:
+    def __init__(self, config: Any, home: Path, device: str = "cpu") -> None:
         from rlctl.engine.session import build_session
         from rlctl.hooks.manager import load_plugins
 
         self.session = build_session(config, load_plugins(), cache_root=home / "cache")
-        self.done, self.times, self.tokens = 0, [], []
+        self.done, self.times, self.tokens, self.device = 0, [], [], device
 
     def step(self) -> None:
         from rlctl.engine.loop import LoopSpec, run_sync
 
         s = self.session
         s.config = s.config.model_copy(update={"train": s.config.train.model_copy(update={"steps": self.done + 1})})
+        _sync(self.device)
         started = time.perf_counter()
         metrics = run_sync(s, LoopSpec.from_config(s.config), [], start_step=self.done)
+        _sync(self.device)
         self.times.append(time.perf_counter() - started)
         n = s.config.algo.prompts_per_step * s.config.algo.group_size
         self.tokens.append(metrics["response_length_mean"] * n)
         self.done += 1
+
+
+def _sync(device: str) -> None:
+    """Wait for queued GPU work, so a step's wall time includes its kernels."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def trl_reward(config: Any, eos_id: int) -> Any:
@@ -131,7 +141,10 @@ def trl_reward(config: Any, eos_id: int) -> Any:
     return reward, counted
 
 
-def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace, on_step_end: Any) -> Any:
+def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace, on_step_end: Any,
+              device: str = "cpu", bf16: bool = False) -> Any:
+    """TRL's GRPOTrainer at the benchmark's settings; ``device="cuda"`` trains on the first GPU and ``bf16``
+    turns on Trainer's bf16 autocast (fp32 weights and optimizer state, bf16 compute)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -149,9 +162,10 @@ def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace
         num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
         learning_rate=config.train.optim.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-        adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_steps=args.steps, logging_steps=1, use_cpu=True,
-        report_to=[], save_strategy="no", seed=0, disable_dropout=True, bf16=False, dataloader_num_workers=0,
-        log_completions=False,
+        adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_steps=args.steps, logging_steps=1,
+        use_cpu=device == "cpu", report_to=[], save_strategy="no", seed=0, disable_dropout=True, bf16=bf16,
+        dataloader_num_workers=0, log_completions=False,
+        gradient_checkpointing=False,  # TRL's default is True; rlctl's learner does not recompute activations
     )
 
     class Timer(TrainerCallback):
@@ -160,9 +174,11 @@ def build_trl(config: Any, policy_dir: Path, task: Any, args: argparse.Namespace
             self.started = 0.0
 
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            _sync(device)
             self.started = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
+            _sync(device)
             self.times.append(time.perf_counter() - self.started)
             on_step_end()
 

@@ -24,8 +24,22 @@ On CPU DeepSpeed picks its CPU accelerator and gloo. Its first process-group
 init JIT-compiles a small shared-memory op (about 40 s on 2 cores); the build
 is cached in ``TORCH_EXTENSIONS_DIR`` (default here: ``$RLCTL_HOME/cache/torch_extensions``).
 
-What this is not: checkpointable (``checkpoint.every_steps`` must be 0; the
-FSDP2 learner has sharded checkpoints) or data parallel.
+Checkpoints are sharded and use the FSDP2 learner's layout (rlctl.engine.shards),
+not DeepSpeed's own files: for each parameter the ranks assemble the full fp32
+master weight and AdamW moments from their ZeRO partitions (DeepSpeed's
+``safe_get_full_*``, one parameter at a time) and keep only their row block
+of it (a DTensor sharded on dim 0 over the group), which
+torch.distributed.checkpoint writes as one safetensors file per rank. Loading
+reads the row blocks this rank's mesh position covers, whatever world size
+wrote them, gathers each parameter and hands it to DeepSpeed's
+``safe_set_full_*``, which keeps this rank's ZeRO partition. So a checkpoint
+resumes on any number of ranks and any ZeRO stage (and FSDP2 and DeepSpeed
+checkpoints are interchangeable), and ``rlctl export --hf`` consolidates it
+unchanged. The LR schedule, optimizer hyperparameters, mini-batch generator
+and counters travel in the checkpoint's JSON like the FSDP2 learner's.
+
+What this is not: DeepSpeed's ``engine.save_checkpoint`` format (pickled,
+tied to the world size it was saved on) or data parallel.
 """
 
 from __future__ import annotations
@@ -37,11 +51,12 @@ from typing import Any, Mapping
 
 import torch
 
-from rlctl import WeightUpdate
-from rlctl.contracts.types import LearnerContext
+from rlctl import CheckpointError, WeightUpdate
+from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.engine import shards
 from rlctl.models.fingerprint import fingerprint
 from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
-from rlctl_fsdp_learner.learner import RankGroup
+from rlctl_fsdp_learner.learner import RankGroup, ShardedCheckpoints, check_same_model, sharded_state
 from rlctl_torch_learner.learner import TorchLearner
 from rlctl_torch_learner.options import TorchLearnerOptions
 
@@ -56,7 +71,7 @@ def _quiet_environment() -> None:
 
 
 def _forget_previous_groups() -> None:
-    """Drop DeepSpeed's module-level caches of process groups from an earlier learner in this process.
+    """Drop DeepSpeed's module-level state (process groups, ZeRO-3 parameter ids) from an earlier learner here.
 
     DeepSpeed keeps the world / data-parallel groups it derived in globals; after
     that learner's group was destroyed they name a dead group, and a second
@@ -73,6 +88,14 @@ def _forget_previous_groups() -> None:
                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
         if isinstance(getattr(groups, name, None), dict):
             getattr(groups, name).clear()
+    # ZeRO-3 numbers parameters and modules with process-wide counters (the module one is a mutable default
+    # argument) and the ranks compare those numbers (its prefetch trace): a second learner here would count on
+    # from the first while freshly spawned followers start at 0
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = Init.num_persisted_parameters = Init.num_persisted_elements = 0
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
 
 
 class _Rank(TorchLearner):
@@ -153,6 +176,132 @@ class _Rank(TorchLearner):
             own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
             self.model.save_pretrained(directory, state_dict={k: v for k, v in state.items() if k in own})
 
+    # -- sharded checkpoints (a collective: every rank runs these) ---------------------------------
+
+    def _zero(self) -> Any:
+        """DeepSpeed's ZeRO optimizer (wrapping the client AdamW)."""
+        return self.engine.optimizer
+
+    def _flat_masters(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 master partitions: the tensors the client AdamW steps (and keys its state by)."""
+        zero = self._zero()
+        flat = getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
+        return list(flat if flat is not None else zero.single_partition_of_fp32_groups)  # ZeRO-1/2
+
+    def _ensure_optimizer_state(self) -> None:
+        """Create zero AdamW moments where none exist yet (AdamW makes them at its first step, DeepSpeed links its
+        per-parameter views of them after that step); a no-op once the run has stepped."""
+        inner = self._zero().optimizer
+        for flat in self._flat_masters():
+            if not inner.state.get(flat):
+                inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                     "exp_avg_sq": torch.zeros_like(flat)}
+        link = getattr(self._zero(), "_lazy_init_hp_params_optimizer_state", None)  # ZeRO-1/2 only
+        if link is not None:
+            link()
+
+    def _step_count(self) -> torch.Tensor:
+        steps = {float(self._zero().optimizer.state[flat]["step"]) for flat in self._flat_masters()}
+        if len(steps) != 1:
+            raise CheckpointError(f"the AdamW step counts of this rank's ZeRO partitions differ ({sorted(steps)})",
+                                  "this is a bug in the DeepSpeed learner; report it with the run's config")
+        return torch.tensor(steps.pop())
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if getattr(self, "_mesh_cache", None) is None:
+            import torch.distributed as dist
+
+            # the blocks live on the CPU whatever the device: gloo carries them (the group is "cpu:gloo,cuda:nccl")
+            self._mesh_cache = init_device_mesh("cpu", (dist.get_world_size(),))
+        return self._mesh_cache
+
+    def _piece(self, full: torch.Tensor) -> Any:
+        """This rank's row block of ``full`` as a DTensor sharded on dim 0 (FSDP2's layout: torch.chunk blocks)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = self._mesh()
+        rank, blocks = mesh.get_local_rank(), torch.chunk(full, mesh.size(), dim=0)
+        local = blocks[rank].clone() if rank < len(blocks) else full.new_empty((0, *full.shape[1:]))
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+    def _named(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """Parameters (tied aliases once, as named_parameters gives them) and persistent buffers, by name."""
+        params = list(self.model.named_parameters())
+        keep = set(self.model.state_dict())
+        return params, [(n, b) for n, b in self.model.named_buffers() if n in keep]
+
+    def save_shards(self, directory: str) -> LearnerState:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._ensure_optimizer_state()
+        params, buffers = self._named()
+        step = self._step_count()
+        tensors: dict[str, Any] = {}
+        for name, p in params:  # one parameter gathered at a time: memory stays at this rank's share
+            tensors[shards.MODEL + name] = self._piece(safe_get_full_fp32_param(p).detach().cpu())
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{shards.OPTIM}{name}.{key}"] = self._piece(
+                    safe_get_full_optimizer_state(p, key).detach().cpu())
+            tensors[f"{shards.OPTIM}{name}.step"] = step.clone()
+        for name, b in buffers:
+            tensors[shards.MODEL + name] = b.detach().cpu().clone()
+        shards.dcp_save(tensors, directory)
+        groups = self._zero().optimizer.param_groups
+        if len(groups) != 1:  # the torch learner's AdamW has one group; its names are needed by an FSDP2 resume
+            raise CheckpointError(f"the DeepSpeed learner's optimizer has {len(groups)} parameter groups, "
+                                  "its checkpoints know one", "this is a bug in the DeepSpeed learner; report it")
+        groups = [{k: v for k, v in groups[0].items() if k != "params"} | {"params": [n for n, _ in params]}]
+        return sharded_state(self, directory, groups)
+
+    def load_shards(self, state: LearnerState) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        params, buffers = self._named()
+        tensors: dict[str, Any] = {}
+        for name, p in params:
+            empty = torch.zeros(tuple(getattr(p, "ds_shape", p.shape)), dtype=torch.float32)
+            tensors[shards.MODEL + name] = self._piece(empty)
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{shards.OPTIM}{name}.{key}"] = self._piece(empty)
+            tensors[f"{shards.OPTIM}{name}.step"] = torch.zeros(())
+        for name, b in buffers:
+            tensors[shards.MODEL + name] = torch.zeros_like(b, device="cpu")
+        check_same_model(tensors, state.shard_dir)
+        shards.dcp_read(tensors, state.shard_dir)  # each rank reads the row blocks its mesh position covers
+        self._ensure_optimizer_state()
+        inner = self._zero().optimizer
+        saved_groups = state.optimizer["param_groups"]
+        if len(saved_groups) != len(inner.param_groups):
+            raise CheckpointError(f"the checkpoint has {len(saved_groups)} optimizer parameter group(s) but this "
+                                  f"learner has {len(inner.param_groups)}",
+                                  "resume with the optimizer settings the run was trained with")
+        for group, saved in zip(inner.param_groups, saved_groups):
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
+        steps = {float(t) for k, t in tensors.items() if k.startswith(shards.OPTIM) and k.endswith(".step")}
+        if len(steps) != 1:  # the client AdamW keeps one count per ZeRO partition: every parameter's must agree
+            raise CheckpointError(f"the checkpoint's parameters have different AdamW step counts ({sorted(steps)})",
+                                  "resume it with the learner that wrote it (train.learner)")
+        step = steps.pop()
+        for flat in self._flat_masters():
+            inner.state[flat]["step"].fill_(step)
+        with torch.no_grad():
+            for name, p in params:
+                full = tensors[shards.MODEL + name].full_tensor()  # a collective, one parameter at a time
+                safe_set_full_fp32_param(p, full.to(self.device))  # this rank's master partition
+                for key in ("exp_avg", "exp_avg_sq"):
+                    moment = tensors[f"{shards.OPTIM}{name}.{key}"].full_tensor()
+                    safe_set_full_optimizer_state(p, moment.to(self.device), key)
+                gathered = (deepspeed.zero.GatheredParameters([p], modifier_rank=0) if self.stage == 3
+                            else contextlib.nullcontext())
+                with gathered:  # the compute copy (ZeRO-3: re-partitioned on exit)
+                    p.data.copy_(full.view(p.shape).to(p.dtype))
+            for name, b in buffers:
+                b.copy_(tensors[shards.MODEL + name])
+        self._restore_progress(state)
+
     def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
         """This rank's partitions: parameters (ZeRO-3: its slice), and the ZeRO optimizer's fp32 state."""
         params = [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
@@ -175,7 +324,7 @@ class _Rank(TorchLearner):
                 "compute": {p.dtype for p in self.model.parameters()}}
 
 
-class DeepSpeedLearner(RankGroup):
+class DeepSpeedLearner(ShardedCheckpoints, RankGroup):
     """LearnerBackend: rank 0 of a DeepSpeed ZeRO group; starts and commands ranks 1..N-1."""
 
     make_rank = _Rank

@@ -65,7 +65,8 @@ class _Rank(TorchLearner):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # fp32 weights on every rank: they become the master shards; bf16 is FSDP's compute dtype
-        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False))
+        super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False,
+                                                 gradient_checkpointing=options.gradient_checkpointing))
         if rank != 0:
             self.reference = None  # reference log-probs are computed by rank 0 alone
         kw: dict[str, Any] = {"mesh": init_device_mesh(self.device.type, (world,))}
@@ -120,27 +121,13 @@ class _Rank(TorchLearner):
     def save_shards(self, directory: str) -> LearnerState:
         tensors, groups = self._shard_tensors()
         shards.dcp_save(tensors, directory)
-        return LearnerState(
-            policy_version=self.policy_version, weights={}, model_files=self._model_files(),
-            optimizer={"param_groups": state_codec.clone(groups)},
-            scheduler=state_codec.clone(self.scheduler.state_dict()), grad_scaler=None,
-            rng={"minibatch_order": self.generator.get_state()},
-            counters={**self._counters(), "world_size": dist.get_world_size()},
-            shard_dir=directory)
+        return sharded_state(self, directory, groups)
 
     def load_shards(self, state: LearnerState) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         tensors, _ = self._shard_tensors()
-        saved = shards.shapes(state.shard_dir)
-        problems = [f"{k} is missing" for k in sorted(set(tensors) - set(saved))]
-        problems += [f"{k} is unexpected" for k in sorted(set(saved) - set(tensors)) if k.startswith(shards.MODEL)]
-        problems += [f"{k} is {list(saved[k][0])} in the checkpoint but {list(v.shape)} now"
-                     for k, v in tensors.items() if k in saved and tuple(saved[k][0]) != tuple(v.shape)]
-        if problems:
-            raise CheckpointError(f"the model shape changed since the checkpoint: {'; '.join(problems[:3])}"
-                                  + (f" and {len(problems) - 3} more" if len(problems) > 3 else ""),
-                                  "resume with the model the run was trained with")
+        check_same_model(tensors, state.shard_dir)
         shards.dcp_read(tensors, state.shard_dir)  # each rank reads the pieces its shards overlap
         model = {k[len(shards.MODEL):]: v for k, v in tensors.items() if k.startswith(shards.MODEL)}
         set_model_state_dict(self.model, model, options=_non_strict())
@@ -152,6 +139,35 @@ class _Rank(TorchLearner):
         set_optimizer_state_dict(self.model, self.optimizer,
                                  {"state": per_param, "param_groups": state.optimizer["param_groups"]})
         self._restore_progress(state)
+
+
+def sharded_state(rank: TorchLearner, directory: str, param_groups: list[Any]) -> LearnerState:
+    """Everything of a rank's learner state but its tensors (those are in ``directory``'s shards).
+
+    ``param_groups`` are the optimizer's hyperparameters per group (lr, betas,
+    ...) as plain data; the rest is the torch learner's progress
+    (``_restore_progress`` reads it back) and the world size it was saved on.
+    """
+    return LearnerState(
+        policy_version=rank.policy_version, weights={}, model_files=rank._model_files(),
+        optimizer={"param_groups": state_codec.clone(param_groups)},
+        scheduler=state_codec.clone(rank.scheduler.state_dict()), grad_scaler=None,
+        rng={"minibatch_order": rank.generator.get_state()},
+        counters={**rank._counters(), "world_size": dist.get_world_size()},
+        shard_dir=directory)
+
+
+def check_same_model(tensors: Mapping[str, Any], shard_dir: str) -> None:
+    """CheckpointError unless the shards in ``shard_dir`` hold every key of ``tensors`` with the same full shape."""
+    saved = shards.shapes(shard_dir)
+    problems = [f"{k} is missing" for k in sorted(set(tensors) - set(saved))]
+    problems += [f"{k} is unexpected" for k in sorted(set(saved) - set(tensors)) if k.startswith(shards.MODEL)]
+    problems += [f"{k} is {list(saved[k][0])} in the checkpoint but {list(v.shape)} now"
+                 for k, v in tensors.items() if k in saved and tuple(saved[k][0]) != tuple(v.shape)]
+    if problems:
+        raise CheckpointError(f"the model shape changed since the checkpoint: {'; '.join(problems[:3])}"
+                              + (f" and {len(problems) - 3} more" if len(problems) > 3 else ""),
+                              "resume with the model the run was trained with")
 
 
 def _non_strict() -> Any:
@@ -288,7 +304,9 @@ class RankGroup:
             except queue.Empty:
                 break
         dead = [(r, p.exitcode) for r, p in enumerate(self._procs, 1) if not p.is_alive()]
-        if reports:
+        if isinstance(err, CheckpointError):  # rank 0's verdict on the checkpoint's files (every rank reads the same)
+            reason = None
+        elif reports:
             rank, message, _ = min(reports)
             reason = f"learner rank {rank} failed during {what}: {message}"
         elif dead:
@@ -362,8 +380,10 @@ class RankGroup:
         return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
 
 
-class FsdpLearner(RankGroup):
-    """The FSDP2 learner: a RankGroup of FSDP2 ranks, with sharded checkpoints (ShardedCheckpointLearner)."""
+class ShardedCheckpoints:
+    """ShardedCheckpointLearner for a RankGroup whose ranks have ``save_shards`` / ``load_shards``."""
+
+    _run: Any
 
     def save_shards(self, directory: str) -> LearnerState:
         """Every rank writes its shard of weights and AdamW state into ``directory``; the rest of the state."""
@@ -372,3 +392,7 @@ class FsdpLearner(RankGroup):
     def load_shards(self, state: LearnerState) -> None:
         """Every rank reads its (possibly resharded) pieces from ``state.shard_dir``; the rest from ``state``."""
         self._run("load_shards", state)
+
+
+class FsdpLearner(ShardedCheckpoints, RankGroup):
+    """The FSDP2 learner: a RankGroup of FSDP2 ranks, with sharded checkpoints (ShardedCheckpointLearner)."""

@@ -52,6 +52,8 @@ from rlctl_torch_learner.options import TorchLearnerOptions
 class TorchLearner:
     """LearnerBackend over an in-process torch model."""
 
+    _capture: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None  # set inside train_step_with_logprobs
+
     def __init__(self, ctx: LearnerContext, options: TorchLearnerOptions | None = None) -> None:
         self.options = options or TorchLearnerOptions()
         self.algo, self.optim_cfg = ctx.algo, ctx.optim
@@ -131,13 +133,36 @@ class TorchLearner:
     # -- update ----------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        return self._train(batch, capture=False)[0]
+
+    def train_step_with_logprobs(self, batch: TrainBatch) -> tuple[Mapping[str, float], torch.Tensor]:
+        """``train_step``, and log pi of the trained tokens under the weights *before* the step, [N, T] on the CPU.
+
+        On the trained tokens (``action_mask``; 0 elsewhere) they are the values
+        ``logprobs(batch)`` returns just before ``train_step``
+        (up to float rounding of a different micro-batch grouping). With one
+        mini-batch (any epochs, any micro-batches) they are the first epoch's
+        training forward of every row, taken before its optimizer step, so they
+        cost nothing; with several mini-batches, or when the loss already needs
+        pi_old (``tis_cap``), they come from that no-grad pass before the step.
+        """
+        stats, before = self._train(batch, capture=True)
+        assert before is not None
+        on = batch.action_mask > 0  # prompt positions differ with prefill sharing, and are not trained
+        return stats, torch.where(on, before, torch.zeros((), dtype=before.dtype))
+
+    def _train(self, batch: TrainBatch, capture: bool) -> tuple[Mapping[str, float], torch.Tensor | None]:
         fault_site("learner.train_step", rows=batch.num_sequences)
         algo = self.algo
         kl_in_loss = algo.kl.coef > 0 and algo.kl.placement == "loss"  # the reference exists exactly then
         if self.reference is not None and batch.ref_logprobs is None:
             batch = _with_ref(batch, self.ref_logprobs(batch))
+        before: torch.Tensor | None = None
         if self.loss.tis_cap is not None and batch.old_logprobs is None:
-            batch = replace(batch, old_logprobs=self.logprobs(batch))  # pi_old: before this step's updates
+            before = self.logprobs(batch)
+            batch = replace(batch, old_logprobs=before)  # pi_old: before this step's updates
+        elif capture and algo.num_mini_batches > 1:  # later mini-batches are forwarded after an update
+            before = self.logprobs(batch)
         batch = batch.to(self.device)
         stats: dict[str, list[float]] = {}
         size = batch.num_sequences // algo.num_mini_batches
@@ -145,9 +170,18 @@ class TorchLearner:
         for epoch in range(algo.ppo_epochs):
             order = torch.randperm(batch.num_sequences, generator=self.generator)
             for m in range(algo.num_mini_batches):
-                mini = batch.select(order[m * size:(m + 1) * size])
+                rows = order[m * size:(m + 1) * size]
+                mini = batch.select(rows)
                 first = epoch == 0 and m == 0  # weights still equal the behaviour policy's
-                applied += self._mini_batch_step(mini, kl_in_loss, first, stats)
+                self._capture = (rows, {}) if capture and before is None and first else None
+                try:
+                    applied += self._mini_batch_step(mini, kl_in_loss, first, stats)
+                    if self._capture is not None:  # every row's forward before the optimizer step, batch order
+                        rows_of, parts = self._capture
+                        before = torch.empty(batch.action_mask.shape, dtype=parts[0].dtype)
+                        before[rows_of] = torch.cat([parts[i] for i in sorted(parts)])
+                finally:
+                    self._capture = None
         if applied:  # a new policy exists only if some update was applied
             self.policy_version += 1
         out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
@@ -158,7 +192,7 @@ class TorchLearner:
         out["nan_inf_skipped_steps"] = float(self.nan_skips)
         out["oom_recoveries"] = float(self.oom_recoveries)
         out["micro_batch_size"] = float(self.micro_batch_size)
-        return out
+        return out, before
 
     def scale_lr(self, factor: float) -> float:
         """Multiply the learning rate (base and current) by ``factor`` for the rest of the run; return the new base."""
@@ -241,9 +275,14 @@ class TorchLearner:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         micros = list(self._micro_batches(mini))
+        capture = self._capture[1] if self._capture is not None else None
+        if capture is not None:
+            capture.clear()  # an OOM retry forwards the mini-batch again in smaller pieces
         for index, micro in enumerate(micros):
             fault_site("learner.alloc", rows=micro.num_sequences)
             logp, entropy = self._forward(self.model, micro, with_entropy=True)
+            if capture is not None:
+                capture[index] = logp.detach().cpu()
             mask = micro.action_mask
             anchor, weights, tis = micro.behavior_logprobs, None, {}
             if spec.tis_cap is not None:  # ratio against pi_old, each token weighted by min(pi_old / mu, cap)

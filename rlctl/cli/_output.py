@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -26,8 +27,27 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
+_json_out: Any = None  # the real stdout while json_only_stdout() is active
+
+
+@contextlib.contextmanager
+def json_only_stdout() -> Iterator[None]:
+    """For ``--json``: stdout carries the JSON document and nothing else. Whatever else writes to stdout meanwhile
+    goes to stderr (e.g. deepspeed's logger, which transformers imports when saving a model and which logs its
+    accelerator warning to stdout)."""
+    global _json_out
+    saved, _json_out = sys.stdout, sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout, _json_out = saved, None
+
+
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True, default=str) + "\n")
+    out = _json_out or sys.stdout
+    out.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=True, default=str) + "\n")
+    out.flush()
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:

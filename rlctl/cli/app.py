@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Optional, Sequence
@@ -24,6 +25,7 @@ from rlctl.cli import runs as runs_cli
 from rlctl.cli import serve as serve_cli
 from rlctl.cli import train as train_cli
 from rlctl.cli._errors import report
+from rlctl.cli._output import json_only_stdout
 
 
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (same as RLCTL_DEBUG=1).")) -> None:
@@ -63,8 +65,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        build_app()(args=list(argv) if argv is not None else None, prog_name="rlctl", standalone_mode=True)
+        with json_only_stdout() if "--json" in args else contextlib.nullcontext():
+            build_app()(args=args, prog_name="rlctl", standalone_mode=True)
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     except BaseException as err:  # noqa: BLE001 - report() re-raises anything it does not know

@@ -117,6 +117,12 @@ class LearnerBackend(Protocol):
 
         ``policy_version`` goes up by one when the weights changed, and not when
         every update of the step was skipped (non-finite gradients).
+
+        Optional companion (not part of this Protocol): ``train_step_with_logprobs(batch)
+        -> (metrics, logprobs)``, the same update plus log pi of the trained tokens
+        under the weights before it, [N, T] (0 off ``action_mask``). The overlapped
+        loop reads D_lag from it instead of a separate ``logprobs`` pass when a
+        learner has it (the torch learner takes them from its training forward).
         """
         ...
 

@@ -275,16 +275,35 @@ class LearnerActor:
         self.reset = _reconstructed()
 
     def call(self, method: str, *args: Any) -> Any:
-        if self.reset and method != "load_checkpoint_state":
-            raise ActorReset("the learner actor was restarted and holds its initial state")
+        if method != "load_checkpoint_state":
+            self._check()
         result = getattr(self.learner, method)(*args)
         if method == "load_checkpoint_state":
             self.reset = False
         return result
 
-    def attr(self, name: str) -> Any:
+    def _check(self) -> None:
         if self.reset:
             raise ActorReset("the learner actor was restarted and holds its initial state")
+
+    def train_step_with_logprobs(self, batch: Any) -> tuple[Mapping[str, float], Any]:
+        """The update and log pi before it, [N, T], from one call (one batch transfer); see the torch learner."""
+        self._check()
+        capture = getattr(self.learner, "train_step_with_logprobs", None)
+        if capture is not None:
+            return capture(batch)
+        before = self.learner.logprobs(batch)  # a learner without it: the separate pass, still in this process
+        return self.learner.train_step(batch), before
+
+    @ray.method(num_returns=2)
+    def export_weights(self) -> tuple[tuple[int, str], WeightUpdate]:
+        """(version, fingerprint) for the driver, and the update itself, which stays in the object store."""
+        self._check()
+        update = self.learner.export_weights()
+        return (update.version, update.fingerprint), update
+
+    def attr(self, name: str) -> Any:
+        self._check()
         return getattr(self.learner, name)
 
     def accept_initial_state(self) -> None:
@@ -404,29 +423,69 @@ def _wait_alive(actor: Any, what: str) -> None:
                     "check the cluster's free resources with `ray status`")
 
 
+class StoredWeights(Mapping[str, Any]):
+    """The state dict of a WeightUpdate that lives in Ray's object store, not in the driver.
+
+    The learner actor writes each exported version there once (the ref is a
+    task return, so the driver owns it and it outlives a learner restart);
+    rollout actors read it from the store. Reading it on the driver fetches
+    it (nothing in the overlapped loop does).
+    """
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+        self._fetched: Mapping[str, Any] | None = None
+
+    def _state(self) -> Mapping[str, Any]:
+        if self._fetched is None:
+            self._fetched = ray.get(self.ref).state_dict
+        return self._fetched
+
+    def __getitem__(self, key: str) -> Any:
+        return self._state()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._state())
+
+    def __len__(self) -> int:
+        return len(self._state())
+
+
 class RayWorker:
     """Driver-side handle of a RolloutActor."""
 
     def __init__(self, name: str, actor: Any) -> None:
         self.name, self.actor = name, actor
         self._ref: tuple[int, str, Any] | None = None
+        self._loaded: tuple[int, str] | None = None  # what the actor holds, as far as this handle knows
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         fault_site("rollout.worker", worker=self)  # a worker crash (injected: SIGKILL of this actor's process)
         try:
             return ray.get(self.actor.generate.remote(list(requests)))
         except (*_LOST, ActorReset) as err:
+            self._loaded = None
             raise WorkerLost(f"{type(err).__name__}") from err
 
     def load_weights(self, update: WeightUpdate) -> None:
-        if self._ref is None or self._ref[:2] != (update.version, update.fingerprint):
-            self._ref = (update.version, update.fingerprint, ray.put(update))  # one copy per version in the store
+        key = (update.version, update.fingerprint)
+        if key == self._loaded:
+            return  # only a changed version ships
+        if isinstance(update.state_dict, StoredWeights):  # exported by the learner actor: already in the store
+            ref = update.state_dict.ref
+        else:
+            if self._ref is None or self._ref[:2] != key:
+                self._ref = (*key, ray.put(update))  # one copy per version in the store
+            ref = self._ref[2]
+        self._loaded = None
         try:
-            ray.get(self.actor.update_weights.remote(self._ref[2]))
+            ray.get(self.actor.update_weights.remote(ref))
         except _LOST as err:
             raise WorkerLost(f"{type(err).__name__}") from err
+        self._loaded = key
 
     def restart(self) -> None:
+        self._loaded = None  # a restarted actor holds its initial weights
         _wait_alive(self.actor, f"rollout worker {self.name}")
 
     def pid(self) -> int:
@@ -471,8 +530,22 @@ class RayLearner:
     def train_step(self, batch: Any) -> Mapping[str, float]:
         return self._call("train_step", batch)
 
+    def train_step_with_logprobs(self, batch: Any) -> tuple[Mapping[str, float], Any]:
+        try:
+            return ray.get(self.actor.train_step_with_logprobs.remote(batch))
+        except (*_LOST, ActorReset) as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+
     def export_weights(self) -> WeightUpdate:
-        return self._call("export_weights")
+        """The new version's tag, with its tensors left in the object store for the rollout actors."""
+        try:
+            meta, ref = self.actor.export_weights.remote()
+            version, fingerprint = ray.get(meta)
+        except (*_LOST, ActorReset) as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+        return WeightUpdate(version=version, state_dict=StoredWeights(ref), fingerprint=fingerprint)
 
     def checkpoint_state(self) -> Any:
         return self._call("checkpoint_state")

@@ -490,8 +490,13 @@ class AsyncDriver:
         staleness = [dv for g, dv in zip(taken.groups, taken.staleness) if g.group_id in kept_ids]
         scored = [t for g in groups for t in g.trajectories]
         batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-        prox = s.learner.logprobs(batch).float()  # [N, T]: the learner's policy before this update
-        dlag = lag_divergence(prox, batch.behavior_logprobs, batch.action_mask).tolist()  # [N]
+        mu, mask = batch.behavior_logprobs, batch.action_mask  # [N, T]: as generated (reweighting replaces some)
+        trains_policy = s.critic is None or step >= spec.critic_warmup_steps  # the critic's warm-up leaves it as is
+        # prox: log pi_learner of the trained tokens before this update, [N, T]. A learner with
+        # train_step_with_logprobs returns them from its training forward (no second pass, no second batch
+        # transfer to a learner actor); the reweighted path needs them before the update, to build the batch.
+        capture = getattr(s.learner, "train_step_with_logprobs", None) if trains_policy else None
+        prox = s.learner.logprobs(batch).float() if taken.weighted or capture is None else None
         weight = torch.ones_like(batch.action_mask)  # [N, T]
         if taken.weighted:
             rows = [i for i, g in enumerate(groups) if g.group_id in set(taken.weighted)
@@ -509,8 +514,13 @@ class AsyncDriver:
         learner_stats: dict[str, float] = {}
         if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
             learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
-        if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
+        if trains_policy and prox is None:
+            trained, before = capture(batch)
+            learner_stats.update(trained)
+            prox = before.float()
+        elif trains_policy:
             learner_stats.update(s.learner.train_step(batch))
+        dlag = lag_divergence(prox, mu, mask).tolist()  # [N]: mean |log pi_learner - log mu| per sample
         t2 = time.perf_counter()
         s.rollout.update_weights(s.learner.export_weights())
         self.queue.set_version(s.learner.policy_version)

@@ -516,7 +516,9 @@ class _DispatchMeter(_Meter):
         return self.peak
 
     def _add(self, tensor: Any) -> None:
-        storage = tensor.untyped_storage()
+        storage = _storage(tensor)
+        if storage is None:  # a wrapper (FSDP2's DTensor): its local tensor is counted when created
+            return
         key, size = storage.data_ptr(), storage.nbytes()
         if size == 0 or key in self._keys or tensor.device.type != "cpu":
             return
@@ -541,14 +543,24 @@ def _live_mode(meter: _DispatchMeter) -> Any:
             out = func(*args, **(kwargs or {}))
             if func.is_view:
                 return out
-            inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-                      if isinstance(a, torch.Tensor)}
+            inputs = {st.data_ptr() for a in tree_flatten((args, kwargs))[0]
+                      if isinstance(a, torch.Tensor) and (st := _storage(a)) is not None}
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and st.data_ptr() not in inputs:
                     meter._add(t)
             return out
 
     return LiveMode()
+
+
+def _storage(tensor: Any) -> Any:
+    """The tensor's storage, or None for a wrapper subclass without one (FSDP2's DTensor parameters)."""
+    try:
+        storage = tensor.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:
+        return None
+    return storage
 
 
 def role_tensors(session: Any) -> list[Any]:

@@ -395,6 +395,8 @@ class Watchdog:
         self._wrap(session.rollout, "generate", "generate")
         self._wrap(session.reward, "score", "score")
         self._wrap(session.learner, "train_step", "train")
+        if hasattr(session.learner, "train_step_with_logprobs"):  # the overlapped loop's variant
+            self._wrap(session.learner, "train_step_with_logprobs", "train")
         self._wrap(session.rollout, "update_weights", "publish")
         if checkpointer is not None:
             self._wrap(checkpointer, "after_step", "save")

@@ -70,6 +70,37 @@ def test_reweight_keeps_stale_groups_with_truncated_weights(plugins, _rlctl_home
     assert sum(m["reweighted_groups"] for _, m in rows) == sum(m["staleness_violations"] for _, m in rows) / 4
 
 
+class WithoutCapture:
+    """The session's real learner without ``train_step_with_logprobs``: the loop falls back to its separate pass."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name == "train_step_with_logprobs":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("extra", [(), ("algo.num_mini_batches=2",)], ids=["one-mini-batch", "two-mini-batches"])
+def test_dlag_from_the_training_forward_equals_the_separate_pass(plugins, _rlctl_home, tmp_path, tiny_policy_dir,
+                                                                 extra):
+    """D_lag (mean |log pi_learner - log mu| per sample, P50/P95/P99) is the same value the extra pass gave."""
+    overrides = ("mode=sync", "train.steps=3", "cluster.num_rollout_workers=1", *extra)
+    fast = session_for(plugins, _rlctl_home, *overrides)
+    old = session_for(plugins, _rlctl_home, *overrides)
+    old.learner = WithoutCapture(old.learner)
+    rows_fast = run(fast, plugins, tmp_path / "fast")
+    rows_old = run(old, plugins, tmp_path / "old")
+    assert [s for s, _ in rows_fast] == [s for s, _ in rows_old] == [0, 1, 2]
+    for (_, a), (_, b) in zip(rows_fast, rows_old):
+        assert a.keys() == b.keys()
+        assert a["response_length_mean"] == b["response_length_mean"] and a["reward_mean"] == b["reward_mean"]
+        for name in ("dlag_p50", "dlag_p95", "dlag_p99", "loss"):
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-7), name
+    assert rows_fast[-1][1]["dlag_p95"] > 0  # the samples' own log-probs differ from the learner's by rounding
+
+
 class FlakyWorker:
     """A real local worker that loses the given calls (the far side of a worker crash: the process dying)."""
 

@@ -42,6 +42,14 @@ def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):
     report = json.loads(proc.stdout)
     assert all(c["ok"] for c in report["checks"]), report["checks"]
     assert report["shape"]["num_layers"] == 28
+    # the recipe names the sharded learner the ledger assumes: fsdp2 on all 8 GPUs, bf16 + fp32 master, ZeRO-3
+    # (full shard) with activation checkpointing, and that learner can run here (no "cannot run" note)
+    config = load_config(REPO / "configs" / "grpo-7b-8gpu.yaml")
+    assert config.train.learner == "fsdp2"
+    assert config.train.learner_options["world_size"] == 8
+    assert "learner: 'fsdp2' (ZeRO-3 / FSDP full shard)" in report["notes"], report["notes"]
+    assert not [n for n in report["notes"] if "cannot run" in n or "does not do" in n], report["notes"]
+    assert report["strategy"] == "bf16 params + fp32 master, ZeRO-3, activation checkpointing"
 
 
 def test_quickstart_recipes_share_its_warm_start():

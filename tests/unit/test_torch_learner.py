@@ -166,3 +166,24 @@ def test_kl_shaped_rewards_subtracts_the_summed_response_kl_per_sequence():
     k3 = kl_shaped_rewards(rewards, behavior, ref, mask, coef=1.0, kind="k3")
     assert torch.all(k3 <= rewards + 1e-7), "k3 is non-negative: shaping can only lower a reward"
     torch.testing.assert_close(k3, rewards - (kl_estimate(behavior, ref, "k3") * mask).sum(-1).view(2, 2))
+
+
+@pytest.mark.parametrize("algo", [
+    {"micro_batch_size": 16},
+    {"micro_batch_size": 5, "ppo_epochs": 2},  # rows permuted, forwarded in 4 pieces, then a second epoch
+    {"micro_batch_size": 4, "num_mini_batches": 2},  # the second mini-batch is forwarded after an update
+    {"micro_batch_size": 8, "tis_cap": 2.0},  # pi_old computed anyway: reused
+], ids=["one-micro", "micros-epochs", "mini-batches", "tis"])
+def test_train_step_with_logprobs_returns_the_pre_update_pass_and_the_same_update(session, batch, algo):
+    """The overlapped loop's D_lag reads these instead of a separate logprobs pass: same values, same update."""
+    plain, capturing = learner(session, **algo), learner(session, **algo)
+    on = batch.action_mask > 0
+    want = plain.logprobs(batch) * on  # [N, T]: the pass the loop used to make before train_step, trained tokens
+    stats = plain.train_step(batch)
+    got_stats, got = capturing.train_step_with_logprobs(batch)
+    assert got.shape == want.shape and got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_stats == stats and capturing.policy_version == plain.policy_version == 1
+    p1, p2 = params(plain), params(capturing)
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], rtol=0, atol=0, msg=name)
