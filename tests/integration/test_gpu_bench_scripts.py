@@ -1,6 +1,6 @@
 """The scripts tests/gpu/run.sh calls, run on CPU at tiny scale (the GPU run differs only in ``--device cuda``
 and the model shape): bench/fsdp_ledger.py (fsdp2 GRPO steps, step time, ledger vs measured per role) and
-bench/trl_step_time.py (rlctl vs TRL's GRPOTrainer, needs the trl extra)."""
+bench/trl_step_time.py (rlctl vs TRL's GRPOTrainer, needs the bench extra)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_fsdp_ledger_script_on_cpu(tmp_path):
 
 
 def test_trl_step_time_script_on_cpu(tmp_path):
-    pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")
+    pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]'")
     out = _bench("trl_step_time.py", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
                  "--max-tokens", "4", tmp_path=tmp_path)
     row = next(line for line in out.splitlines() if line.startswith("tiny: qwen2"))
