@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(cfg)
     if args.sft_steps:
-        losses = sft(model, tok, task.train, steps=args.sft_steps, batch_size=64, lr=3e-3, seed=args.seed)
+        losses = sft(model, tok, task.train, steps=args.sft_steps, batch_size=64, lr=3e-3, seed=args.seed).losses
         print(f"SFT {args.sft_steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)

@@ -2,7 +2,7 @@
 
 Run:  python bench/trl_step_time.py --device cpu --shape tiny --shape small          (CPU, two shapes)
       python bench/trl_step_time.py --device cuda --shape qwen2-0.5b --vocab qwen    (tests/gpu/run.sh)
-(needs the trl extra: pip install -e '.[trl]'; TRL 1.16.0, accelerate 1.15.0, datasets 5.2.0)
+(needs the bench extra: pip install -e '.[bench]'; TRL 1.16.0, accelerate 1.15.0, datasets 5.2.0)
 
 Models: random-weight Qwen2 directories built from a config (bench/_shapes.py: ``tiny`` 0.13M, ``small``
 1.0M, ``qwen2-0.5b`` = Qwen2-0.5B's layout, 494M with ``--vocab qwen``), rlctl's character tokenizer, its

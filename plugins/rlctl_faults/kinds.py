@@ -74,7 +74,7 @@ class NanFault:
         poison = float(self.options.value)
 
         def handler(loss: Any, **_: Any) -> Any:
-            if not ctx.due():
+            if not ctx.take():
                 return loss
             ctx.fire(f"loss poisoned with {self.options.value} at the learner")
             return loss * poison
@@ -101,7 +101,7 @@ class OomFault:
         def handler(value: Any, rows: int = 0, **_: Any) -> Any:
             if not ctx.in_window():
                 return value
-            if cap is not None and rows > cap or cap is None and ctx.due():
+            if cap is not None and rows > cap or cap is None and ctx.take():
                 ctx.fire(f"learner allocation for a micro-batch of {rows} rows failed (out of memory)",
                          {"rows": rows})
                 raise torch.OutOfMemoryError(f"out of memory: tried to allocate activations for a micro-batch "
@@ -194,7 +194,7 @@ class LearnerCrash:
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
         def handler(value: Any, **_: Any) -> Any:
-            if ctx.due():
+            if ctx.take():
                 ctx.fire("learner process SIGKILLed mid-step")
                 os.kill(os.getpid(), signal.SIGKILL)
             return value
@@ -214,7 +214,7 @@ class SlowRollout:
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
         def handler(value: Any, **_: Any) -> Any:
-            if ctx.due():
+            if ctx.take():
                 ctx.fire(f"rollout straggles for {self.options.delay_s:g}s")
                 time.sleep(self.options.delay_s)
             return value

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import re
 import select
 import shutil

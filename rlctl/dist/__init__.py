@@ -76,6 +76,9 @@ def _recover(session: Any, store: Any) -> Callable[[], int]:
         committed = store.list_committed()
         if not committed:
             session.queue_cursor = None
+            accept = getattr(session.learner, "accept_initial_state", None)  # Ray: a restarted actor waits for this
+            if accept is not None:
+                accept()
             session.rollout.update_weights(session.learner.export_weights())
             return 0
         path, _ = committed[-1]

@@ -9,7 +9,11 @@ the overlapped loop. This is the only module of rlctl that imports ray.
 A restarted rollout actor comes back with its initial weights; the loop
 loads the current version into it before it serves (RayWorker.restart waits
 until the actor answers again). A restarted learner actor comes back at
-version 0 and is restored from the newest checkpoint by the loop.
+version 0 and is restored from the newest checkpoint by the loop. An actor
+killed while idle is restarted by Ray without any call failing, and the next
+call would run on the new process; so a restarted actor refuses work
+(``ActorReset``, seen by the loop as WorkerLost / LearnerLost) until it has
+been given the current weights or checkpoint state.
 
 With ``reward.workers`` > 1 the graders run as Ray actors too
 (``RayRewardPool``, the same RewardPool contract as the process pool): one
@@ -17,6 +21,21 @@ sample at a time per actor, a per-sample deadline (past it the actor is killed
 and restarted, the sample gets ``error_code="timeout"``), and up to
 ``reward.retries`` new attempts when an actor dies mid-sample. With one worker
 the built-in rewards (microseconds per sample) are scored on the driver.
+
+Injected faults reach the actors: the run's armed faults (``faults.inject``,
+rlctl.engine.faults.armed_plan) are passed to every actor's constructor and
+armed again in its process, so ``learner.*`` faults fire in the learner
+actor, ``rollout.generate`` in the rollout actors and ``verifier.score`` in
+the reward actors (an actor Ray restarts re-arms them from the same
+constructor arguments). A ``FaultBroker`` actor is the arbiter of all of them:
+it holds the driver's step (pushed by the run guard on every change, before
+the next step starts) and each fault's fired steps, so a step fires once
+across the driver and every actor (``FaultContext.take`` claims it there,
+atomically), and a fault that fired in an actor hands its record to the
+broker before it acts (a SIGKILL leaves it behind); the driver records those
+as ``fault_injected`` events at every step end and when the run closes.
+Recoveries an actor reports itself (``report_recovery``: the learner's OOM
+retry) travel through the same broker into the driver's registry events.
 
 What this is not: the loop (rlctl.engine.async_loop).
 """
@@ -26,6 +45,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from typing import Any, Callable, Mapping, Sequence
 
 import ray
@@ -43,7 +63,9 @@ from rlctl.contracts.types import (
     WeightUpdate,
 )
 from rlctl.engine.async_loop import LearnerLost, WorkerLost
-from rlctl.engine.faults import fault_site
+from rlctl.engine.faults import (
+    ArmedFault, FaultContext, arm_plan, armed_plan, fault_site, forward_recoveries, on_step, report_recovery,
+)
 
 _LOST = (RayActorError, ActorUnavailableError)
 READY_TIMEOUT_S = 600.0  # a restarting actor imports torch and loads its model; shared CPUs are slow
@@ -56,21 +78,180 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _arm_faults(faults: Any, plugins: Any = None) -> None:
+    """Arm the run's faults (``(plan, claims)`` from _FaultRelay.spec) in this actor's process, and send its
+    recovery reports (``report_recovery``) to the driver through the same broker."""
+    if faults is None:
+        return
+    plan, claims = faults
+    forward_recoveries(claims.recovered)
+    if not plan:
+        return
+    if plugins is None:
+        from rlctl.hooks.manager import load_plugins
+
+        plugins = load_plugins()
+    arm_plan(plan, claims, lambda f: plugins.build("fault", f.kind, f.options, f.where))
+
+
+@ray.remote
+class FaultBroker:
+    """The arbiter of the run's faults across processes: the driver's step and each fault's fired steps.
+
+    Ray runs one method at a time on an actor, so ``claim`` is atomic.
+    """
+
+    def __init__(self, step: int, fired: dict[int, set[int]]) -> None:
+        self._step, self._fired = step, {i: set(steps) for i, steps in fired.items()}
+        self._events: list[tuple[int, str, dict[str, Any]]] = []
+        self._recoveries: list[tuple[str, str, dict[str, Any]]] = []
+
+    def step(self) -> int:
+        return self._step
+
+    def fired(self, index: int, step: int) -> bool:
+        return step in self._fired.get(index, ())
+
+    def claim(self, index: int, step: int) -> bool:
+        steps = self._fired.setdefault(index, set())
+        if step in steps:
+            return False
+        steps.add(step)
+        return True
+
+    def mark(self, index: int, step: int, event: tuple[str, dict[str, Any]] | None) -> None:
+        self._fired.setdefault(index, set()).add(step)
+        if event is not None:
+            self._events.append((index, *event))
+
+    def recovered(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        self._recoveries.append((kind, message, data))
+
+    def sync(self, step: int | None) -> tuple[list[tuple[int, str, dict[str, Any]]], list[tuple[str, str, dict]]]:
+        """Take the driver's step (None: unchanged); return the firing records and recovery reports actors
+        left since the last call."""
+        if step is not None:
+            self._step = step
+        events, self._events = self._events, []
+        recoveries, self._recoveries = self._recoveries, []
+        return events, recoveries
+
+
+class _BrokerClaims:
+    """SharedClaims through the named FaultBroker (actors get this in their constructor).
+
+    It pickles as the broker's name, not its handle: an actor handle among the
+    constructor arguments puts them in the object store, where a restart
+    cannot rely on finding them (ray-project/ray#53727).
+    """
+
+    def __init__(self, name: str, broker: Any = None) -> None:
+        self.name, self._broker = name, broker
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.name, self._broker = state["name"], None
+
+    @property
+    def broker(self) -> Any:
+        if self._broker is None:
+            self._broker = ray.get_actor(self.name)
+        return self._broker
+
+    def step(self) -> int:
+        return ray.get(self.broker.step.remote())
+
+    def fired(self, index: int, step: int) -> bool:
+        return ray.get(self.broker.fired.remote(index, step))
+
+    def claim(self, index: int, step: int) -> bool:
+        return ray.get(self.broker.claim.remote(index, step))
+
+    def mark(self, index: int, step: int, event: tuple[str, dict[str, Any]] | None) -> None:
+        ray.get(self.broker.mark.remote(index, step, event))
+
+    def recovered(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        ray.get(self.broker.recovered.remote(kind, message, data))
+
+
+class _FaultRelay:
+    """Driver side of the FaultBroker: binds the driver's fault contexts to it, records the actors' firings
+    and passes their recovery reports on to this process's ``report_recovery``."""
+
+    def __init__(self, plan: list[tuple[ArmedFault, FaultContext]]) -> None:
+        self.contexts = {fault.index: ctx for fault, ctx in plan}
+        step = plan[0][1].step() if plan else 0
+        name = f"rlctl-faults-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.broker = FaultBroker.options(name=name, num_cpus=0, max_restarts=0).remote(
+            step, {i: set(ctx.fired_steps) for i, ctx in self.contexts.items()})
+        self.claims = _BrokerClaims(name, self.broker)
+        self.spec = ([fault for fault, _ in plan], self.claims)
+        for ctx in self.contexts.values():
+            ctx.share(self.claims)
+        self._lock = threading.Lock()
+        self._remove = on_step(self.sync)
+
+    def sync(self, step: int | None = None) -> None:
+        with self._lock:
+            try:
+                events, recoveries = ray.get(self.broker.sync.remote(step), timeout=READY_TIMEOUT_S)
+            except (*_LOST, GetTimeoutError) as err:
+                raise RoleError(f"the run's fault broker actor is gone ({type(err).__name__}): injected faults "
+                                "and the actors' recovery reports can no longer be recorded",
+                                "resume the run with `rlctl resume`; check the Ray session's logs for why the "
+                                "actor died") from None
+            for index, message, data in events:
+                ctx = self.contexts.get(index)
+                if ctx is not None:
+                    ctx.accept(message, data)
+            for kind, message, data in recoveries:
+                report_recovery(kind, message, data)
+
+    def close(self) -> None:
+        self._remove()
+        try:
+            self.sync()
+        except RoleError:
+            pass  # the run is ending anyway; what already reached the driver is recorded
+        finally:
+            for ctx in self.contexts.values():
+                ctx.share(None)
+            ray.kill(self.broker, no_restart=True)
+
+
+class ActorReset(Exception):
+    """A restarted actor was called before the driver restored its state (it holds its initial state)."""
+
+
+def _reconstructed() -> bool:
+    """Whether this actor process is a restart (Ray re-ran the constructor after the previous one died)."""
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
 @ray.remote
 class RolloutActor:
     """Hosts one rollout backend built from the plugin registry inside the actor's process."""
 
-    def __init__(self, backend: str, options: Mapping[str, Any], ctx: RolloutContext, threads: int) -> None:
+    def __init__(self, backend: str, options: Mapping[str, Any], ctx: RolloutContext, threads: int,
+                 faults: Any = None) -> None:
         _threads(threads)
         from rlctl.hooks.manager import load_plugins
 
-        self.backend = load_plugins().build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+        plugins = load_plugins()
+        _arm_faults(faults, plugins)
+        self.backend = plugins.build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+        self.reset = _reconstructed()  # refuses to generate until the driver loads the current weights
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        if self.reset:  # killed while idle: Ray restarted it silently and queued this call for the new process
+            raise ActorReset("the rollout actor was restarted and holds its initial weights")
         return self.backend.generate(requests)
 
     def update_weights(self, update: WeightUpdate) -> int:
         self.backend.update_weights(update)
+        self.reset = False
         return update.version
 
     def pid(self) -> int:
@@ -81,17 +262,33 @@ class RolloutActor:
 class LearnerActor:
     """Hosts the learner backend; the driver calls its methods by name."""
 
-    def __init__(self, learner: str, options: Mapping[str, Any], ctx: LearnerContext, threads: int) -> None:
+    def __init__(self, learner: str, options: Mapping[str, Any], ctx: LearnerContext, threads: int,
+                 faults: Any = None) -> None:
         _threads(threads)
         from rlctl.hooks.manager import load_plugins
 
-        self.learner = load_plugins().build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
+        plugins = load_plugins()
+        _arm_faults(faults, plugins)
+        self.learner = plugins.build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
+        # A restart (Ray re-runs this constructor) serves nothing until the driver restores it: a learner
+        # killed between calls would otherwise answer the next call silently from its initial state.
+        self.reset = _reconstructed()
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.learner, method)(*args)
+        if method != "load_checkpoint_state":
+            self._check()
+        result = getattr(self.learner, method)(*args)
+        if method == "load_checkpoint_state":
+            self.reset = False
+        return result
+
+    def _check(self) -> None:
+        if self.reset:
+            raise ActorReset("the learner actor was restarted and holds its initial state")
 
     def train_step_with_logprobs(self, batch: Any) -> tuple[Mapping[str, float], Any]:
         """The update and log pi before it, [N, T], from one call (one batch transfer); see the torch learner."""
+        self._check()
         capture = getattr(self.learner, "train_step_with_logprobs", None)
         if capture is not None:
             return capture(batch)
@@ -101,11 +298,17 @@ class LearnerActor:
     @ray.method(num_returns=2)
     def export_weights(self) -> tuple[tuple[int, str], WeightUpdate]:
         """(version, fingerprint) for the driver, and the update itself, which stays in the object store."""
+        self._check()
         update = self.learner.export_weights()
         return (update.version, update.fingerprint), update
 
     def attr(self, name: str) -> Any:
+        self._check()
         return getattr(self.learner, name)
+
+    def accept_initial_state(self) -> None:
+        """The driver restores a restarted learner to the run's start (no checkpoint yet): its initial state."""
+        self.reset = False
 
     def pid(self) -> int:
         return os.getpid()
@@ -115,8 +318,9 @@ class LearnerActor:
 class RewardActor:
     """Builds one grader from a picklable factory and scores one sample per call."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], faults: Any = None) -> None:
         _threads(1)
+        _arm_faults(faults)
         self.reward = factory()
 
     def version(self) -> str:
@@ -139,10 +343,10 @@ class RayRewardPool:
     """``workers`` RewardActors behind the RewardPool contract (``score`` in input order, ``close``)."""
 
     def __init__(self, factory: Callable[[], Any], workers: int, *, timeout_s: float, retries: int,
-                 num_cpus: float = 0.0, max_restarts: int = -1) -> None:
+                 num_cpus: float = 0.0, max_restarts: int = -1, faults: Any = None) -> None:
         self.timeout_s, self.retries = timeout_s, retries
         self.actors = [RewardActor.options(num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0)
-                       .remote(factory) for _ in range(workers)]
+                       .remote(factory, faults) for _ in range(workers)]
         self.version = ray.get(self.actors[0].version.remote(), timeout=READY_TIMEOUT_S)
 
     def score(self, trajectories: Sequence[Trajectory], references: Sequence[str]) -> list[RewardResult]:
@@ -259,7 +463,7 @@ class RayWorker:
         fault_site("rollout.worker", worker=self)  # a worker crash (injected: SIGKILL of this actor's process)
         try:
             return ray.get(self.actor.generate.remote(list(requests)))
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             self._loaded = None
             raise WorkerLost(f"{type(err).__name__}") from err
 
@@ -297,7 +501,7 @@ class RayLearner:
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return ray.get(self.actor.call.remote(method, *args))
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
 
@@ -305,6 +509,14 @@ class RayLearner:
     def policy_version(self) -> int:
         try:
             return ray.get(self.actor.attr.remote("policy_version"))
+        except (*_LOST, ActorReset) as err:
+            _wait_alive(self.actor, "the learner")
+            raise LearnerLost(f"{type(err).__name__}") from err
+
+    def accept_initial_state(self) -> None:
+        """Let a restarted learner actor serve from its initial state (recovery found no checkpoint yet)."""
+        try:
+            ray.get(self.actor.accept_initial_state.remote())
         except _LOST as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
@@ -321,7 +533,7 @@ class RayLearner:
     def train_step_with_logprobs(self, batch: Any) -> tuple[Mapping[str, float], Any]:
         try:
             return ray.get(self.actor.train_step_with_logprobs.remote(batch))
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
 
@@ -330,7 +542,7 @@ class RayLearner:
         try:
             meta, ref = self.actor.export_weights.remote()
             version, fingerprint = ray.get(meta)
-        except _LOST as err:
+        except (*_LOST, ActorReset) as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
         return WeightUpdate(version=version, state_dict=StoredWeights(ref), fingerprint=fingerprint)
@@ -385,6 +597,19 @@ class RayPlacement:
             raise RoleError(f"the Ray cluster cannot place {len(bundles)} bundles {bundles} "
                             f"(it has {ray.cluster_resources()})",
                             "lower cluster.num_rollout_workers or the per-actor num_cpus/num_gpus, or add nodes") from None
+        self.relay = _FaultRelay(armed_plan())  # the run's faults armed in every actor; recoveries reported back
+        try:
+            self._start_actors(session, plugins)
+        except BaseException:
+            self.relay.close()  # no listener or shared fault contexts outlive a placement that never started
+            remove_placement_group(self.pg)
+            if self._started:
+                ray.shutdown()
+            raise
+
+    def _start_actors(self, session: Any, plugins: Any) -> None:
+        cfg = self.cfg
+        faults = self.relay.spec
         self.local_learner = session.learner
         config, s = session.config, session
         lctx = LearnerContext(model_dir=str(s.policy_dir), algo=config.algo, optim=config.train.optim,
@@ -394,7 +619,7 @@ class RayPlacement:
         self.learner_actor = LearnerActor.options(
             num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus, max_restarts=cfg.max_restarts,
             max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0),
-        ).remote(config.train.learner, config.train.learner_options, lctx, threads)
+        ).remote(config.train.learner, config.train.learner_options, lctx, threads, faults)
         self.learner = RayLearner(self.learner_actor)
         if self.local_learner.policy_version > 0:  # a resumed run: the actor continues from the restored state
             self.learner.load_checkpoint_state(self.local_learner.checkpoint_state())
@@ -404,8 +629,8 @@ class RayPlacement:
                 max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i + 1),
             ).remote(config.rollout.backend, config.rollout.options,
                      RolloutContext(model_dir=str(s.policy_dir), tokenizer_hash=s.tokenizer_hash,
-                                    seed=config.run.seed + 1000 * i), max(1, int(cfg.rollout_num_cpus)))
-            for i in range(n)
+                                    seed=config.run.seed + 1000 * i), max(1, int(cfg.rollout_num_cpus)), faults)
+            for i in range(cfg.num_rollout_workers)
         ]
         session.learner = self.learner
         self.local_pool, self.reward_pool = session.reward_pool, None
@@ -417,7 +642,7 @@ class RayPlacement:
             r = config.reward
             self.reward_pool = RayRewardPool(partial(reward_from_config, config), r.workers, timeout_s=r.timeout_s,
                                              retries=r.retries, num_cpus=cfg.reward_num_cpus,
-                                             max_restarts=max(cfg.max_restarts, 1))
+                                             max_restarts=max(cfg.max_restarts, 1), faults=faults)
             session.reward_pool = self.reward_pool
 
     def workers(self) -> list[RayWorker]:
@@ -437,6 +662,7 @@ class RayPlacement:
                 self.reward_pool.close()
             for actor in [self.learner_actor, *self.actors]:
                 ray.kill(actor, no_restart=True)
+            self.relay.close()  # after the actors: every firing and recovery they handed over is recorded
             remove_placement_group(self.pg)
             if self._started:
                 ray.shutdown()

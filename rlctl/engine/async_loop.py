@@ -454,12 +454,13 @@ class AsyncDriver:
                                 "with `rlctl resume`") from None
             try:
                 step = self.recover()  # sets session.queue_cursor, publishes the restored weights via the pool
+                version = self.session.learner.policy_version
                 break
-            except LearnerLost as again:  # it died again while being restored
+            except LearnerLost as again:  # it died again while being restored, or right after
                 err = again
         cursor = getattr(self.session, "queue_cursor", None)
         self.queue.restore_cursor(cursor if cursor is not None else {"watermark": 0, "resolved": [], "drops": {}})
-        self.queue.set_version(self.session.learner.policy_version)
+        self.queue.set_version(version)
         self.ledger.write({"rewind": step, "cursor": self.queue.cursor()})
         return step
 

@@ -20,6 +20,18 @@ with a smaller micro-batch); the run bookkeeping drains them after each step
 with ``drain_recoveries`` and records each as a registry event, so no recovery
 is silent.
 
+Faults in other processes. A placement that runs roles in other processes
+(rlctl.dist.ray) re-arms the run's faults there: ``armed_plan()`` lists every
+fault armed in this process (``publish``, done by the run guard) with the
+spec needed to build it again, and ``arm_plan`` arms that plan in the other
+process with FaultContexts bound to a ``SharedClaims`` (an arbiter all
+processes reach: the current step, and the fired/claimed steps of each
+fault). ``share`` binds this process's contexts to the same arbiter, so
+``take()`` stays once per step across every process, and ``note_step``
+(called by the run guard whenever its step changes) lets the arbiter follow
+the driver's step before the next step starts. ``forward_recoveries`` sends
+the recovery reports of such a process to the driver the same way.
+
 Named crash points (below) are the older test hook that SIGKILLs rlctl at a
 chosen checkpoint-protocol boundary.
 
@@ -46,15 +58,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
-
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
 _sites: dict[str, list[Callable[..., Any]]] = {}
 _recoveries: list[tuple[str, str, dict[str, Any]]] = []
+_plan: dict[int, tuple["ArmedFault", "FaultContext"]] = {}
+_step_listeners: list[Callable[[int], None]] = []
 
 Handler = Callable[..., Any]
+
+
+class SharedClaims(Protocol):
+    """An arbiter every process of a run reaches: the driver's step and each fault's fired steps."""
+
+    def step(self) -> int:
+        """The step the driver is running now."""
+
+    def fired(self, index: int, step: int) -> bool:
+        """Whether fault ``index`` already fired (or was claimed) at ``step``."""
+
+    def claim(self, index: int, step: int) -> bool:
+        """Mark ``step`` fired for fault ``index``; True only for the first caller (atomic across processes)."""
+
+    def mark(self, index: int, step: int, event: tuple[str, dict[str, Any]] | None) -> None:
+        """Mark ``step`` fired; ``event`` (message, data) is handed to the driver, which records it."""
 
 
 class FaultContext:
@@ -66,41 +96,77 @@ class FaultContext:
     step: ``fired_steps`` comes from the run's recorded ``fault_injected``
     events). ``fire(message)`` records the firing synchronously before the
     fault acts, so even a SIGKILL leaves its event behind.
+
+    Bound to ``SharedClaims`` (``index`` is the fault's place in the run's
+    plan), the fired steps live with the arbiter, so the once-per-step rule
+    holds across processes; a context with ``remote=True`` (armed in another
+    process) hands its firing records to the arbiter instead of recording them.
     """
 
     def __init__(self, *, kind: str, at_step: int, count: int | None, rate: float, target: str | None,
                  options: Any, seed: int, step: Callable[[], int], record: Callable[[str, dict[str, Any]], None],
-                 fired_steps: set[int] | None = None) -> None:
+                 fired_steps: set[int] | None = None, index: int = 0, claims: SharedClaims | None = None,
+                 remote: bool = False) -> None:
         self.kind, self.at_step, self.rate, self.target, self.options = kind, at_step, rate, target, options
         self.count = count
         self.seed = seed
         self.step = step
+        self.index = index
         self._record = record
         self.fired_steps = set(fired_steps or ())
         self.num_fired = 0
         self._claim = threading.Lock()
+        self._claims = claims
+        self._remote = remote
+
+    def share(self, claims: SharedClaims | None) -> None:
+        """Bind this context's fired steps to ``claims`` (None: back to this process's own set)."""
+        self._claims = claims
 
     def in_window(self) -> bool:
-        step = self.step()
+        return self._in_window(self.step())
+
+    def _in_window(self, step: int) -> bool:
         return step >= self.at_step and (self.count is None or step < self.at_step + self.count)
 
     def due(self) -> bool:
-        return self.in_window() and self.step() not in self.fired_steps
+        return self._open(self.step())
+
+    def _open(self, step: int) -> bool:
+        if not self._in_window(step) or step in self.fired_steps:
+            return False
+        return self._claims is None or not self._claims.fired(self.index, step)
 
     def take(self) -> bool:
         """``due()`` and claim the step in one go: True for exactly one caller per step, also when several
-        rollout workers reach the fault site at once (checking ``due()`` then firing would let two fire)."""
+        rollout workers reach the fault site at once (checking ``due()`` then firing would let two fire), and
+        across processes when the context is bound to ``SharedClaims``."""
         with self._claim:
-            if not self.due():
+            step = self.step()  # read once: another process's step may move on while this claims
+            if not self._open(step):
                 return False
-            self.fired_steps.add(self.step())
+            if self._claims is not None and not self._claims.claim(self.index, step):
+                return False
+            self.fired_steps.add(step)
             return True
 
     def fire(self, message: str, data: dict[str, Any] | None = None) -> None:
         step = self.step()
         self.fired_steps.add(step)
         self.num_fired += 1
-        self._record(message, {"kind": self.kind, "step": step, **(data or {})})
+        data = {"kind": self.kind, "step": step, **(data or {})}
+        if self._remote and self._claims is not None:
+            self._claims.mark(self.index, step, (message, data))  # synchronous: the arbiter holds it before we act
+            return
+        self._record(message, data)
+        if self._claims is not None:
+            self._claims.mark(self.index, step, None)
+
+    def accept(self, message: str, data: dict[str, Any]) -> None:
+        """Record a firing of this fault that a context in another process handed to the arbiter."""
+        self.fired_steps.add(int(data.get("step", -1)))
+        self.num_fired += 1
+        self._record(message, data)
 
     def chance(self, key: str) -> bool:
         """A deterministic coin with probability ``rate`` for ``key`` (same seed and key, same answer)."""
@@ -133,10 +199,100 @@ def arm(site: str, handler: Handler) -> Callable[[], None]:
     return disarm
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArmedFault:
+    """What another process needs to arm one fault of the run again (picklable)."""
+
+    index: int
+    kind: str
+    options: Any
+    where: str
+    at_step: int
+    count: int | None
+    rate: float
+    target: str | None
+    seed: int
+
+
+def publish(fault: ArmedFault, ctx: FaultContext) -> Callable[[], None]:
+    """List ``fault`` (armed here with ``ctx``) in ``armed_plan()``; return a function that withdraws it."""
+    with _lock:
+        _plan[fault.index] = (fault, ctx)
+
+    def withdraw() -> None:
+        with _lock:
+            if _plan.get(fault.index, (None, None))[1] is ctx:
+                del _plan[fault.index]
+
+    return withdraw
+
+
+def armed_plan() -> list[tuple[ArmedFault, FaultContext]]:
+    """Every published fault armed in this process with its context, by index."""
+    with _lock:
+        return [_plan[i] for i in sorted(_plan)]
+
+
+def arm_plan(plan: Sequence[ArmedFault], claims: SharedClaims, build: Callable[[ArmedFault], Any]) -> Callable[[], None]:
+    """Arm ``plan`` in this process (``build(fault)`` returns the fault plugin) bound to ``claims``."""
+    disarms = []
+    for fault in plan:
+        ctx = FaultContext(kind=fault.kind, at_step=fault.at_step, count=fault.count, rate=fault.rate,
+                           target=fault.target, options=fault.options, seed=fault.seed, step=claims.step,
+                           record=_unrecorded, index=fault.index, claims=claims, remote=True)
+        disarms.append(build(fault).arm(ctx))
+
+    def disarm_all() -> None:
+        for disarm in disarms:
+            disarm()
+
+    return disarm_all
+
+
+def _unrecorded(message: str, data: dict[str, Any]) -> None:
+    raise AssertionError("a remote fault context records through its SharedClaims")
+
+
+def note_step(step: int) -> None:
+    """The driver's step changed (called by the run guard): tell every listener (a placement's arbiter)."""
+    for listener in tuple(_step_listeners):
+        listener(step)
+
+
+def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``listener(step)`` on every ``note_step``; return a function that removes it."""
+    with _lock:
+        _step_listeners.append(listener)
+
+    def remove() -> None:
+        with _lock:
+            if listener in _step_listeners:
+                _step_listeners.remove(listener)
+
+    return remove
+
+
 def report_recovery(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-    """Record that a role recovered from a failure (drained into registry events by the run)."""
+    """Record that a role recovered from a failure (drained into registry events by the run).
+
+    In a role's own process (a Ray actor) the report goes to the sink set with
+    ``forward_recoveries``, which hands it to the driver.
+    """
+    sink = _recovery_sink
+    if sink is not None:
+        sink(kind, message, dict(data or {}))
+        return
     with _lock:
         _recoveries.append((kind, message, dict(data or {})))
+
+
+_recovery_sink: Callable[[str, str, dict[str, Any]], None] | None = None
+
+
+def forward_recoveries(sink: Callable[[str, str, dict[str, Any]], None] | None) -> None:
+    """Send this process's recovery reports to ``sink`` (None: keep them here for ``drain_recoveries``)."""
+    global _recovery_sink
+    _recovery_sink = sink
 
 
 def drain_recoveries() -> list[tuple[str, str, dict[str, Any]]]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
-from rlctl.engine.faults import FaultContext, drain_recoveries
+from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.ops.triggers import History
 
 ALERT_WINDOW = 40  # steps of history the live alerts look at
@@ -58,16 +58,26 @@ class RunGuard:
         self.session, self.run_id, self.directory = session, run_id, directory
         self.registry, self.plugins, self.warn = registry, plugins, warn
         self.config = session.config.faults
-        self.step = start_step  # the step running now (the fault window is checked against it)
+        self._step = start_step  # the step running now (the fault window is checked against it)
         self.nan_streak = 0
         self.last_nan_count: float | None = None
         self.rollbacks = 0
         self.worker_failures = 0.0  # rollout_worker_failures already turned into events
+        self.learner_restarts = 0.0  # learner_restarts (Ray: the learner actor died) already turned into events
         self.canary = False
         self._disarm: list[Callable[[], None]] = []
         self._num_armed = 0
         self.alerts = _Alerts(registry, run_id, warn, start_step) if self.config.alerts else None
         self.watchdog: Watchdog | None = None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        note_step(value)  # faults armed in other processes (Ray actors) follow the driver's step
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -99,10 +109,13 @@ class RunGuard:
 
     def _arm_one(self, index: int, spec: Any, fired: set[int] | None, where: str) -> None:
         fault = self.plugins.build("fault", spec.kind, spec.options, where)
-        ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=_count(spec), rate=spec.rate,
-                           target=spec.target, options=spec.options, seed=self.session.config.run.seed,
-                           step=lambda: self.step, record=self._recorder(index), fired_steps=fired)
+        armed = ArmedFault(index=index, kind=spec.kind, options=spec.options, where=where, at_step=spec.at_step,
+                           count=_count(spec), rate=spec.rate, target=spec.target, seed=self.session.config.run.seed)
+        ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=armed.count, rate=spec.rate,
+                           target=spec.target, options=spec.options, seed=armed.seed,
+                           step=lambda: self.step, record=self._recorder(index), fired_steps=fired, index=index)
         self._disarm.append(fault.arm(ctx))
+        self._disarm.append(publish(armed, ctx))  # a Ray placement re-arms it inside its actors
 
     def _arm_live(self) -> None:
         """Arm faults ``rlctl inject --run RUN`` dropped into ``<run_dir>/inject/`` while this run is training."""
@@ -171,6 +184,14 @@ class RunGuard:
                            f"prompts were re-queued ({int(m.get('requeued_prompts', 0))} so far) and the worker "
                            f"restarted before serving again", {"step": step, "failures": lost,
                                                                "requeued_prompts": int(m.get("requeued_prompts", 0))})
+            self.registry.add_event(self.run_id, event.kind, event.message, event.data)
+            recorded.append(event)
+        restarts = m.get("learner_restarts", 0)  # overlapped runs: the learner actor died and was restored
+        if restarts > self.learner_restarts:
+            lost, self.learner_restarts = int(restarts - self.learner_restarts), restarts
+            event = _Event("learner_restarted", f"step {step}: the learner died {lost} time(s); it was restarted, "
+                           "restored from the newest committed checkpoint and the steps since were trained again",
+                           {"step": step, "restarts": lost})
             self.registry.add_event(self.run_id, event.kind, event.message, event.data)
             recorded.append(event)
         return recorded

@@ -42,3 +42,41 @@ def test_a_killed_rollout_actor_is_restarted_and_its_prompts_regenerated(ray_clu
     assert m[(steps - 1, "rollout_worker_failures")] == len(fired)
     report = audit(run_dir / "queue")
     assert report.lost == () and report.double_counted == 0
+
+
+def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_actors(ray_cluster, _rlctl_home,
+                                                                                     tmp_path):
+    """The run's faults reach the actors' processes: an OOM and a SIGKILL in the learner actor, a straggler in
+    a rollout actor, grader errors in the reward actors. Each fires once per step across all processes, and
+    each ends in its recovery: the OOM retried with a smaller micro-batch (its report comes back from the
+    actor), the killed learner restarted and restored from the newest checkpoint, failed grader calls counted
+    as errors, and the trajectory audit finds nothing lost or trained twice."""
+    from rlctl.engine.async_loop import audit
+
+    steps = 5
+    faults = [{"kind": "oom", "at_step": 1}, {"kind": "learner-crash", "at_step": 3},
+              # which driver step a rollout call starts in races the learner (see the test above): two steps
+              {"kind": "slow-rollout", "at_step": 1, "count": 2, "options": {"delay_s": 0.2}},
+              {"kind": "verifier-error", "rate": 0.2}]
+    result, reg, run_dir = _train(
+        _rlctl_home, tmp_path, "ray-faults", "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
+        "cluster.learner_num_cpus=0.5", "cluster.reward_num_cpus=0", "reward.workers=2", "mode=async",
+        "staleness.max_staleness=1", f"train.steps={steps}", "checkpoint.every_steps=1",
+        "algo.micro_batch_size=16", "staleness.take_timeout_s=300", "faults.inject=" + json.dumps(faults))
+    assert result.run.status == "succeeded"
+    fired: dict[str, list[int]] = {}
+    for event in _events(reg, run_dir, "fault_injected"):
+        fired.setdefault(event.data["kind"], []).append(event.data["step"])
+    assert fired["oom"] == [1] and fired["learner-crash"] == [3], fired  # once, in the learner actor
+    assert len(fired["slow-rollout"]) in (1, 2) and len(set(fired["slow-rollout"])) == len(fired["slow-rollout"])
+    [oom] = _events(reg, run_dir, "oom_recovered")  # reported inside the learner actor, recorded by the driver
+    assert (oom.data["micro_batch_from"], oom.data["micro_batch_to"]) == (16, 8)
+    [restart] = _events(reg, run_dir, "learner_restarted")
+    assert restart.data["restarts"] == 1
+    m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
+    # the graders failed inside the reward actors: error codes, never scores (overlapped runs do not re-score)
+    assert sum(v for (_, name), v in m.items() if name == "reward_error_count") > 0
+    assert sorted({s for s, name in m if name == "reward_mean"}) == list(range(steps))
+    assert m[(steps - 1, "learner_restarts")] == 1 and m[(steps - 1, "micro_batch_size")] == 8
+    report = audit(run_dir / "queue")
+    assert report.lost == () and report.double_counted == 0

@@ -1,6 +1,6 @@
 """The scripts tests/gpu/run.sh calls, run on CPU at tiny scale (the GPU run differs only in ``--device cuda``
 and the model shape): bench/fsdp_ledger.py (fsdp2 GRPO steps, step time, ledger vs measured per role) and
-bench/trl_step_time.py (rlctl vs TRL's GRPOTrainer, needs the trl extra)."""
+bench/trl_step_time.py (rlctl vs TRL's GRPOTrainer, needs the bench extra)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ def test_fsdp_ledger_script_on_cpu(tmp_path):
 
 
 def test_trl_step_time_script_on_cpu(tmp_path):
-    pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")
+    pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]'")
     out = _bench("trl_step_time.py", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
                  "--max-tokens", "4", tmp_path=tmp_path)
     row = next(line for line in out.splitlines() if line.startswith("tiny: qwen2"))
     rl, trl, ratio = (float(x) for x in row.split()[-4:-1])
     assert rl > 0 and trl > 0 and ratio == pytest.approx(trl / rl, abs=0.01)
+
+
+def test_make_model_script_writes_a_loadable_model_and_task(tmp_path):
+    """bench/make_model.py builds the model the TRL comparison loads (it once broke on a changed sft() result)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLCTL_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "make_model.py"), str(tmp_path / "m"),
+                           "--task-out", str(tmp_path / "task"), "--sft-steps", "2"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SFT 2 steps: loss" in proc.stdout and (tmp_path / "m" / "config.json").exists()
+    assert any((tmp_path / "task").iterdir())

@@ -200,3 +200,77 @@ def test_a_weight_sync_failure_fails_the_publish_or_the_receivers_checksum(tmp_p
     finally:
         disarm()
     assert [d["stage"] for d in fired] == [stage]
+
+
+class _Arbiter:
+    """An in-process SharedClaims (the Ray placement's is a FaultBroker actor with the same four methods)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.now, self.claimed, self.events, self.lock = 0, {}, [], threading.Lock()
+
+    def step(self) -> int:
+        return self.now
+
+    def fired(self, index: int, step: int) -> bool:
+        return step in self.claimed.get(index, set())
+
+    def claim(self, index: int, step: int) -> bool:
+        with self.lock:
+            steps = self.claimed.setdefault(index, set())
+            first = step not in steps
+            steps.add(step)
+            return first
+
+    def mark(self, index: int, step: int, event) -> None:
+        with self.lock:
+            self.claimed.setdefault(index, set()).add(step)
+            if event is not None:
+                self.events.append((index, *event))
+
+
+def test_a_plan_armed_elsewhere_fires_once_per_step_across_every_context_bound_to_the_arbiter() -> None:
+    import threading
+
+    from rlctl.engine.faults import ArmedFault, arm_plan
+    from rlctl_faults.kinds import SlowRollout, SlowRolloutOptions
+
+    arbiter, recorded = _Arbiter(), []
+    driver = FaultContext(kind="slow-rollout", at_step=1, count=2, rate=1.0, target=None, options=None, seed=0,
+                          step=arbiter.step, record=lambda m, d: recorded.append(d), index=4)
+    driver.share(arbiter)
+    plan = [ArmedFault(index=4, kind="slow-rollout", options={"delay_s": 0.0}, where="faults.inject.4.options",
+                       at_step=1, count=2, rate=1.0, target=None, seed=0)]
+    disarms = [arm_plan(plan, arbiter, lambda f: SlowRollout(SlowRolloutOptions(**f.options))) for _ in range(3)]
+    try:
+        for step in range(4):
+            arbiter.now = step
+            threads = [threading.Thread(target=fault_site, args=("rollout.generate",), kwargs={"requests": 1})
+                       for _ in range(6)]  # six calls racing through three armed copies
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert driver.take() is False  # the driver's own context never gets a step an armed copy took
+        assert [(i, d["step"]) for i, _, d in arbiter.events] == [(4, 1), (4, 2)]  # once per step in the window
+        assert recorded == [] and not driver.due()
+        driver.accept(*arbiter.events[0][1:])  # the driver records what the arbiter collected
+        assert [d["step"] for d in recorded] == [1] and driver.num_fired == 1
+    finally:
+        for disarm in disarms:
+            disarm()
+    assert fault_site("rollout.generate", "v") == "v"
+
+
+def test_recoveries_reported_in_a_role_process_go_to_the_forwarding_sink() -> None:
+    from rlctl.engine.faults import forward_recoveries
+
+    drain_recoveries()
+    sent = []
+    forward_recoveries(lambda kind, message, data: sent.append((kind, data)))
+    try:
+        report_recovery("oom_recovered", "halved", {"micro_batch_to": 8})
+    finally:
+        forward_recoveries(None)
+    assert sent == [("oom_recovered", {"micro_batch_to": 8})] and drain_recoveries() == []

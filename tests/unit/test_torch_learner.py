@@ -145,6 +145,7 @@ def test_kl_in_the_reward_stays_out_of_the_loss(session, batch):
     g0, g_reward, g_loss = grads(plain), grads(in_reward), grads(in_loss)
     for name in g0:
         torch.testing.assert_close(g_reward[name], g0[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(g_loss[name], g0[name], msg=name)
     # before the first update the policy equals the reference: the k3 KL's gradient is zero, so the loss
     # placement only shows after the policy moved
     in_loss.train_step(batch)
