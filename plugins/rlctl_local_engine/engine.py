@@ -10,6 +10,15 @@ generator and the call counter (used in trajectory ids), so a resumed run
 draws exactly the samples an uninterrupted one would (rlctl.contracts.roles
 StatefulRollout).
 
+Sharing a GPU with a colocated learner (options ``kv_cache_budget``,
+``release_memory``, ``offload_weights``): rows per forward are capped so
+the KV cache of one forward stays within the budget; a chunked call returns
+the same trajectories, in the same order, as an unchunked one (greedy
+decoding gives the same tokens; sampled tokens differ because the draws are
+taken in a different batch shape; trajectory ids carry a per-forward counter).
+After each call the allocator's cached blocks can go back to the device and
+the weights can wait in host memory until the next call.
+
 What this is not: a serving engine. For production rollout use the sglang
 plugin; ``rlctl serve rollout`` puts this engine behind the same HTTP API.
 """
@@ -21,13 +30,15 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
-from rlctl import RoleError, RolloutRequest, Trajectory, WeightUpdate
+from rlctl import ConfigError, RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
 from rlctl.engine.faults import fault_site
 from rlctl.engine.weight_apply import apply_update
 from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
+from rlctl.ops.memory import fmt_bytes, kv_budget_rows, kv_cache_bytes
+from rlctl.ops.shapes import from_hf_config
 from rlctl_local_engine.options import LocalEngineOptions
 from rlctl_local_engine.sampler import sample
 
@@ -40,6 +51,8 @@ class LocalEngine:
         self.device = resolve_device(self.options.device, "rollout.options.device")
         self.model, self.tokenizer = load_policy(ctx.model_dir)
         self.model.to(self.device)
+        self.kv_budget_bytes = self._budget_bytes()
+        self._offloaded = False
         self.tokenizer_hash = ctx.tokenizer_hash
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
@@ -56,37 +69,85 @@ class LocalEngine:
         TerminalReason.ABORT at once, so nobody's work keeps a core busy.
         """
         fault_site("rollout.generate", requests=len(requests))
-        out: list[Trajectory] = []
-        chunk: list[RolloutRequest] = []
-        first, rows = 0, 0
-        for k, req in enumerate(requests):
-            if chunk and rows + req.group_size > self.options.max_batch_sequences:
-                out.extend(self._generate_chunk(chunk, _shifted(cancelled, first, len(chunk))))
-                chunk, rows, first = [], 0, k
-            chunk.append(req)
-            rows += req.group_size
-        if chunk:
-            out.extend(self._generate_chunk(chunk, _shifted(cancelled, first, len(chunk))))
-        return out
+        if not requests:
+            return []
+        cap = self.rows_per_forward(requests)
+        self._reload_weights()
+        try:
+            out: list[Trajectory] = []
+            for chunk in _chunks(requests, cap):
+                out.extend(self._generate_chunk(chunk, cancelled))
+            return out
+        finally:
+            self._release()
 
-    def _generate_chunk(self, requests: Sequence[RolloutRequest],
+    def rows_per_forward(self, requests: Sequence[RolloutRequest]) -> int:
+        """max_batch_sequences, capped by the KV budget for this call's longest prompt + max_tokens."""
+        cap = self.options.max_batch_sequences
+        if self.kv_budget_bytes is None:
+            return cap
+        tokens = max(len(r.prompt_tokens) for r in requests) + max(r.sampling.max_tokens for r in requests)
+        shape, elem = self._kv_shape()
+        fit = kv_budget_rows(shape, tokens, elem, self.kv_budget_bytes)
+        if fit < 1:
+            row = kv_cache_bytes(shape, 1, tokens, elem)
+            raise RoleError(f"rollout.options.kv_cache_budget {fmt_bytes(self.kv_budget_bytes)} is too small for one "
+                            f"row: {tokens} tokens (longest prompt + max_tokens) x {shape.num_layers} layers x 2 x "
+                            f"{shape.num_kv_heads} KV heads x {shape.head_dim} dims x {elem} B = {fmt_bytes(row)}",
+                            f"raise kv_cache_budget to at least {row} bytes, or lower rollout.max_tokens")
+        return min(cap, fit)
+
+    def _kv_shape(self) -> tuple[Any, int]:
+        """The model's shape for the KV formula and its cache element size (the sampler's cache dtype)."""
+        cfg = self.model.config
+        shape = from_hf_config(cfg.to_dict(), name=getattr(cfg, "model_type", "model"), source="rollout model config")
+        return shape, self.model.get_input_embeddings().weight.element_size()
+
+    def _budget_bytes(self) -> int | None:
+        budget = self.options.kv_cache_budget
+        if budget is None or isinstance(budget, int):
+            return budget
+        if self.device.type != "cuda":
+            raise ConfigError(f"rollout.options.kv_cache_budget {budget} is a fraction of the device's memory, and "
+                              f"the engine runs on {self.device} (only CUDA devices report their memory)",
+                              "give the budget in bytes on CPU (e.g. kv_cache_budget: 2GiB), or set "
+                              "rollout.options.device: cuda")
+        import torch
+
+        _, total = torch.cuda.mem_get_info(self.device)
+        return int(budget * total)
+
+    def _release(self) -> None:
+        """After a call: weights to host memory (offload_weights) and cached blocks back to the device."""
+        if self.device.type != "cuda":
+            return  # on CPU both are no-ops (documented): the weights already live in host memory
+        if self.options.offload_weights:
+            self._offload_weights()
+        if self.options.release_memory or self.options.offload_weights:
+            torch.cuda.empty_cache()
+
+    def _offload_weights(self) -> None:
+        """Copy every parameter and buffer to host memory and drop the device copies (the module keeps its
+        tensors' identities: ``.data`` is repointed, as ``swap_in`` does)."""
+        _move(self.model, torch.device("cpu"))
+        self._offloaded = True
+
+    def _reload_weights(self) -> None:
+        if self._offloaded:
+            _move(self.model, self.device)
+            self._offloaded = False
+
+    def _generate_chunk(self, chunk: Sequence[tuple[int, RolloutRequest, range]],
                         cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
-        sampling = requests[0].sampling
-        if any(r.sampling != sampling for r in requests):
+        """One forward over ``chunk``: (index into the call's requests, request, its group indices here)."""
+        sampling = chunk[0][1].sampling
+        if any(r.sampling != sampling for _, r, _ in chunk):
             raise RoleError("one generate() call mixes sampling configs", "split the requests by sampling config")
         self._calls += 1
         started = time.time()
-        prompts = [list(r.prompt_tokens) for r in requests for _ in range(r.group_size)]
+        prompts = [list(r.prompt_tokens) for _, r, gs in chunk for _ in gs]
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
-        abort = None
-        if cancelled is not None:
-            offsets = [0]
-            for r in requests:
-                offsets.append(offsets[-1] + r.group_size)
-
-            def abort() -> list[int]:
-                return [row for k in cancelled() for row in range(offsets[k], offsets[k + 1])]
-
+        abort = _chunk_abort(chunk, cancelled)
         with placed(self.device):  # prompt, cache and sampling tensors live beside the model
             result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
                             pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
@@ -94,8 +155,8 @@ class LocalEngine:
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0
-        for req in requests:
-            for g in range(req.group_size):
+        for _, req, groups in chunk:
+            for g in groups:
                 trajectories.append(Trajectory.create(
                     id=f"{req.prompt_id}/v{self.policy_version}/c{self._calls}/{g}",
                     prompt_id=req.prompt_id, group_index=g, dataset_version=req.dataset_version,
@@ -125,7 +186,10 @@ class LocalEngine:
         return check
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """All or nothing: the whole update is checked and staged before the served weights change."""
+        """All or nothing: the whole update is checked and staged before the served weights change.
+
+        With offloaded weights the update is staged and swapped in host memory; the next call moves it to the device.
+        """
         self.fingerprint = apply_update(self.model, update)
         self.policy_version = update.version
 
@@ -150,9 +214,51 @@ class LocalEngine:
         self.model = None
 
 
-def _shifted(cancelled: Callable[[], Collection[int]] | None, first: int,
-             count: int) -> Callable[[], list[int]] | None:
-    """``cancelled`` for the chunk of requests [first, first + count), as chunk-local indices."""
+def _chunks(requests: Sequence[RolloutRequest], cap: int) -> list[list[tuple[int, RolloutRequest, range]]]:
+    """Requests packed in order into forwards of at most ``cap`` rows. A group that fits in one forward is
+    kept whole (it starts a new forward when the current one is too full); a larger group fills what is left
+    of the current forward and continues in the next ones (its group indices are kept)."""
+    out: list[list[tuple[int, RolloutRequest, range]]] = []
+    chunk: list[tuple[int, RolloutRequest, range]] = []
+    rows = 0
+    for k, req in enumerate(requests):
+        if chunk and req.group_size <= cap and rows + req.group_size > cap:
+            out.append(chunk)
+            chunk, rows = [], 0
+        start = 0
+        while start < req.group_size:
+            if rows == cap:
+                out.append(chunk)
+                chunk, rows = [], 0
+            take = min(req.group_size - start, cap - rows)
+            chunk.append((k, req, range(start, start + take)))
+            rows, start = rows + take, start + take
+    if chunk:
+        out.append(chunk)
+    return out
+
+
+def _chunk_abort(chunk: Sequence[tuple[int, RolloutRequest, range]],
+                 cancelled: Callable[[], Collection[int]] | None) -> Callable[[], list[int]] | None:
+    """``cancelled`` (request indices of the whole call) as the rows of ``chunk`` to stop."""
     if cancelled is None:
         return None
-    return lambda: [k - first for k in cancelled() if first <= k < first + count]
+    offsets = [0]
+    for _, _, groups in chunk:
+        offsets.append(offsets[-1] + len(groups))
+    where = {k: j for j, (k, _, _) in enumerate(chunk)}  # requests in this chunk (a split one: its rows here)
+    return lambda: [row for k in cancelled() if k in where for row in range(offsets[where[k]], offsets[where[k] + 1])]
+
+
+def _move(model: torch.nn.Module, device: torch.device) -> None:
+    """Every parameter and buffer of ``model`` to a fresh copy on ``device`` (the old storage is released)."""
+    seen: set[int] = set()  # a tied parameter (embeddings and LM head) is one tensor: move it once
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    param.data = param.data.to(device, copy=True)
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device, copy=True)

@@ -632,3 +632,6 @@ class RolloutMemory:
 
     in_process: bool = False  # weights live in the driver process and are refolded per call (vs a server)
     max_rows: int | None = None  # sequences one engine holds at once (None: the whole step's batch)
+    kv_budget_bytes: int | None = None  # KV cache bytes one forward may use (caps the rows by the model's shape)
+    kv_budget_fraction: float | None = None  # ... or that share of the device's memory (GPU plans only)
+    offload_weights: bool = False  # the engine's weights leave the device between calls (resident while rolling out)

@@ -36,7 +36,8 @@ from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.memory import PHASES, DeviceLedger, Placement, Strategy, Workload, ledger
+from rlctl.ops.memory import (PHASES, DeviceLedger, Placement, Strategy, Workload, fmt_bytes, kv_budget_rows,
+                              kv_cache_bytes, ledger)
 from rlctl.ops.shapes import ModelShape, builtin_shape, from_hf_config, resolve_shape
 
 LEDGER_TOLERANCE = 0.25  # acceptance bound for |ledger - measured| / measured on the tiny model
@@ -114,9 +115,10 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     gpu = options.device_memory_bytes is not None
     roles = role_memory(config, plugins, gpu_plan=gpu and (options.shape is not None or not config.model.builtin))
     critic = build_estimator(config, plugins).needs_critic
-    work = workload(config, options.prompt_tokens or prompt_max, roles, critic=critic)
     strat = strategy(options, roles, gpu=gpu)
     capacity = options.device_memory_bytes or host_memory_bytes()
+    work = workload(config, options.prompt_tokens or prompt_max, roles, critic=critic, shape=shape,
+                    kv_elem_bytes=strat.rollout_bytes, device_memory_bytes=options.device_memory_bytes)
     placements = {}
     for text in options.placements:
         try:
@@ -127,6 +129,7 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     notes = [f"prompt tokens: {work.prompt_tokens} "
              + ("(--prompt-tokens)" if options.prompt_tokens else "(longest train prompt, run's tokenizer)")]
     notes += roles.notes
+    notes += rollout_budget_notes(roles.rollout, work, gpu)
     notes += learner_notes(config, plugins, roles, strat.zero_stage)
     smoke = None
     if options.smoke:
@@ -309,15 +312,52 @@ def learner_notes(config: RunConfig, plugins: Plugins, roles: RoleMemory, stage:
     return notes
 
 
-def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory, critic: bool = False) -> Workload:
+def workload(config: RunConfig, prompt_tokens: int, roles: RoleMemory, critic: bool = False,
+             shape: ModelShape | None = None, kv_elem_bytes: int = 4,
+             device_memory_bytes: int | None = None) -> Workload:
+    """The step's shapes; the rollout's rows per forward are the engine's chunk, capped by its KV budget (which
+    needs ``shape``; a fractional budget needs ``device_memory_bytes``, a GPU plan)."""
     rows = config.algo.prompts_per_step * config.algo.group_size
-    chunk = roles.rollout.max_rows or rows
+    chunk = min(rows, roles.rollout.max_rows or rows)
+    budget = rollout_kv_budget(roles.rollout, device_memory_bytes)
+    if budget is not None and shape is not None:
+        tokens = prompt_tokens + config.rollout.max_tokens
+        fit = kv_budget_rows(shape, tokens, kv_elem_bytes, budget)
+        if fit < 1:
+            raise ConfigError(f"rollout.options.kv_cache_budget {fmt_bytes(budget)} is too small for one row of "
+                              f"{tokens} tokens ({fmt_bytes(kv_cache_bytes(shape, 1, tokens, kv_elem_bytes))} of "
+                              "KV cache)", "raise kv_cache_budget, or lower rollout.max_tokens")
+        chunk = min(chunk, fit)
     return Workload(prompts_per_step=config.algo.prompts_per_step, group_size=config.algo.group_size,
                     prompt_tokens=prompt_tokens, response_tokens=config.rollout.max_tokens,
                     micro_batch_size=min(config.algo.micro_batch_size, rows // config.algo.num_mini_batches),
-                    rollout_rows=min(rows, max(chunk, config.algo.group_size)), kl_reference=config.algo.kl.coef > 0,
+                    rollout_rows=chunk, kl_reference=config.algo.kl.coef > 0,
                     critic=critic,
                     shared_prefill=roles.learner.shared_prefill and config.algo.group_size > 1)
+
+
+def rollout_kv_budget(rollout: RolloutMemory, device_memory_bytes: int | None) -> int | None:
+    """The engine's KV budget in bytes: its byte count, or its fraction of the planned device (GPU plans)."""
+    if rollout.kv_budget_bytes is not None:
+        return rollout.kv_budget_bytes
+    if rollout.kv_budget_fraction is not None and device_memory_bytes is not None:
+        return int(rollout.kv_budget_fraction * device_memory_bytes)
+    return None
+
+
+def rollout_budget_notes(rollout: RolloutMemory, work: Workload, gpu: bool) -> list[str]:
+    """What the ledger did with the engine's KV budget and weight offload."""
+    notes = []
+    if rollout.kv_budget_fraction is not None and not gpu:
+        notes.append(f"rollout kv_cache_budget {rollout.kv_budget_fraction} is a fraction of a GPU's memory: not "
+                     "applied without --gpu-mem (and the engine refuses a fraction on CPU; give bytes there)")
+    elif rollout.kv_budget_bytes is not None or rollout.kv_budget_fraction is not None:
+        notes.append(f"rollout KV budget: {work.rollout_rows} rows per forward "
+                     f"({work.seq_tokens} tokens each)")
+    if rollout.offload_weights:
+        notes.append("rollout offload_weights: the engine's weights are counted in the rollout phase only"
+                     if gpu else "rollout offload_weights does nothing on CPU: the engine's weights stay counted")
+    return notes
 
 
 def strategy(options: DryrunOptions, roles: RoleMemory, gpu: bool) -> Strategy:
@@ -331,7 +371,8 @@ def strategy(options: DryrunOptions, roles: RoleMemory, gpu: bool) -> Strategy:
     engine = "in-process" if roles.rollout.in_process and not gpu else "serving"
     return Strategy(param_bytes=mem.param_bytes, master_weights=mem.master_weights,
                     optim_state_bytes=mem.optim_state_bytes, zero_stage=stage, checkpointing=mem.checkpointing,
-                    rollout_bytes=2 if gpu and engine == "serving" else 4, engine=engine, gpu=gpu)
+                    rollout_bytes=2 if gpu and engine == "serving" else 4, engine=engine, gpu=gpu,
+                    rollout_offload=gpu and roles.rollout.offload_weights)
 
 
 def host_memory_bytes() -> int:
@@ -399,7 +440,7 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     strat = strategy(replace(options, shape=None, zero_stage=0), roles, gpu=False)  # allocator bytes only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None),
+    observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None, shape=shape),
                        response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
     return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))

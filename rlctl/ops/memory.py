@@ -94,6 +94,7 @@ class Strategy:
     rollout_bytes: int = 4  # rollout engine weights and KV cache element size
     rollout_tp: int = 1  # tensor-parallel degree of one rollout engine
     engine: Literal["in-process", "serving"] = "in-process"  # rollout weights in the driver, or a server
+    rollout_offload: bool = False  # the rollout engine's weights leave the device between its calls
     gpu: bool = False
 
     def describe(self) -> str:
@@ -266,7 +267,8 @@ def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: i
     rows = min(work.rollout_rows, math.ceil(work.sequences / replicas))
     kv = kv_cache_bytes(shape, rows, work.seq_tokens, b) // tp
     terms = [
-        Term("rollout", "weights", _div(shape.num_params * b, tp), "persistent", f"P x {b}B / TP {tp}"),
+        Term("rollout", "weights", _div(shape.num_params * b, tp), "rollout" if strat.rollout_offload else "persistent",
+             f"P x {b}B / TP {tp}" + (" [offloaded to host between calls]" if strat.rollout_offload else "")),
         Term("rollout", "KV cache", kv, "rollout",
              f"2 x {rows} seqs x L x H_kv x d x {work.seq_tokens} tok x {b}B / TP {tp}"),
     ]
@@ -305,6 +307,11 @@ def runtime_terms(shape: ModelShape, strat: Strategy, has_rollout: bool, has_lea
 def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, elem_bytes: int) -> int:
     """M_KV = 2 . B . L . H_kv . d . T . bytes (keys and values, every layer, every position)."""
     return 2 * sequences * shape.num_layers * shape.num_kv_heads * shape.head_dim * tokens * elem_bytes
+
+
+def kv_budget_rows(shape: ModelShape, tokens: int, elem_bytes: int, budget_bytes: int) -> int:
+    """Rows whose KV cache (``tokens`` positions each) fits in ``budget_bytes``: floor(budget / per-row bytes)."""
+    return budget_bytes // kv_cache_bytes(shape, 1, tokens, elem_bytes)
 
 
 def activation_bytes(shape: ModelShape, work: Workload, strat: Strategy) -> int:
