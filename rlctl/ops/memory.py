@@ -268,7 +268,7 @@ def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: i
     kv = kv_cache_bytes(shape, rows, work.seq_tokens, b) // tp
     terms = [
         Term("rollout", "weights", _div(shape.num_params * b, tp), "rollout" if strat.rollout_offload else "persistent",
-             f"P x {b}B / TP {tp}" + (" [offloaded to host between calls]" if strat.rollout_offload else "")),
+             f"P x {b}B / TP {tp}" + (", offloaded to host between calls" if strat.rollout_offload else "")),
         Term("rollout", "KV cache", kv, "rollout",
              f"2 x {rows} seqs x L x H_kv x d x {work.seq_tokens} tok x {b}B / TP {tp}"),
     ]
