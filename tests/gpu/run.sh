@@ -3,7 +3,8 @@
 # (pip install -e '.[dev,bench]'); downloads nothing: every model is built from a config with random weights.
 # Budget: at most 8 minutes on one GPU (an estimate: this script has not been run on a GPU yet, see README).
 #   1. pytest -m gpu tests/gpu: cuda placement and fp32 reconciliation, bf16 on GPU with fp32 optimizer state
-#      and the bf16 reconciliation, FSDP2 with NCCL on one GPU (train, sharded checkpoint, reload, export);
+#      and the bf16 reconciliation, FSDP2 with NCCL on one GPU (train, sharded checkpoint, reload, export),
+#      a colocated local engine (fractional KV budget, weights offloaded between calls, same greedy rollouts);
 #   2. the quickstart on cuda (one seed, 3 steps of its config so the check stays short), printing its summary;
 #   3. a ~0.5B Qwen2-shaped model (Qwen2-0.5B's layout and vocabulary, 494M parameters, random weights):
 #      5 GRPO steps with the fsdp2 learner on one GPU (world_size 1, bf16 + fp32 master shards), printing the

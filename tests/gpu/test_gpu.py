@@ -6,7 +6,9 @@
 - bf16 on GPU: bf16 parameters, fp32 master weights and AdamW moments, the
   reconciliation within the CPU bf16 tolerance (tests/unit/test_bf16.py);
 - FSDP2 with NCCL on one GPU: train, sharded checkpoint through the commit
-  protocol, reload bitwise, consolidated export.
+  protocol, reload bitwise, consolidated export;
+- a colocated local engine: a fractional KV budget, weights offloaded after a
+  call (allocated bytes drop) and identical greedy rollouts after the reload.
 
 Tiny models built from a config with random weights: nothing is downloaded.
 """
@@ -102,3 +104,38 @@ def test_fsdp2_with_nccl_on_one_gpu_trains_checkpoints_and_exports(plugins, _rlc
         again.close()
         session.rollout.close()
     assert (export_hf(path, tmp_path / "hf") / "model.safetensors").is_file()
+
+
+def test_colocated_engine_budget_release_and_offload_on_cuda(plugins, _rlctl_home, tiny_policy_dir):
+    """A fractional KV budget resolves against the GPU, offloaded weights leave it after a call (allocated bytes
+    drop by their size), and greedy rollouts after the reload equal those of an engine that never offloads."""
+    import dataclasses
+
+    from rlctl.contracts.types import RolloutContext
+    from rlctl_local_engine.engine import LocalEngine
+    from rlctl_local_engine.options import LocalEngineOptions
+    from tests.unit.test_colocate import _content, _requests
+
+    session = _session(plugins, _rlctl_home)
+    ctx = RolloutContext(model_dir=str(session.policy_dir), tokenizer_hash=session.tokenizer_hash, seed=0)
+    try:
+        plain = LocalEngine(ctx, LocalEngineOptions(device="cuda"))
+        shared = LocalEngine(ctx, LocalEngineOptions(device="cuda", kv_cache_budget=0.3, release_memory=True,
+                                                     offload_weights=True))
+        _, total = torch.cuda.mem_get_info()
+        assert shared.kv_budget_bytes == int(0.3 * total)
+        requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
+                    for r in _requests(session, num_prompts=2)]
+        weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in shared.model.parameters()}.values())
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        first = shared.generate(requests)
+        torch.cuda.synchronize()
+        assert {p.device.type for p in shared.model.parameters()} == {"cpu"}
+        assert before - torch.cuda.memory_allocated() >= weights
+        assert _content(first) == _content(plain.generate(requests))
+        assert _content(shared.generate(requests)) == _content(first)  # reloaded, same policy, same tokens
+        plain.close()
+        shared.close()
+    finally:
+        session.rollout.close()
