@@ -49,9 +49,9 @@ class LocalEngine:
     def __init__(self, ctx: RolloutContext, options: LocalEngineOptions | None = None) -> None:
         self.options = options or LocalEngineOptions()
         self.device = resolve_device(self.options.device, "rollout.options.device")
+        self.kv_budget_bytes = self._budget_bytes()  # before loading: a fraction on CPU fails fast
         self.model, self.tokenizer = load_policy(ctx.model_dir)
         self.model.to(self.device)
-        self.kv_budget_bytes = self._budget_bytes()
         self._offloaded = False
         self.tokenizer_hash = ctx.tokenizer_hash
         self.policy_version = ctx.policy_version
@@ -112,8 +112,6 @@ class LocalEngine:
                               f"the engine runs on {self.device} (only CUDA devices report their memory)",
                               "give the budget in bytes on CPU (e.g. kv_cache_budget: 2GiB), or set "
                               "rollout.options.device: cuda")
-        import torch
-
         _, total = torch.cuda.mem_get_info(self.device)
         return int(budget * total)
 
