@@ -1,6 +1,6 @@
 """``rlctl train`` with the DeepSpeed learner on 2 CPU ranks: the run succeeds and ``--json`` stays valid JSON
 (DeepSpeed prints its op builds to stdout; the plugin sends them to stderr), and the last step's sharded checkpoint
-is committed. Resume is tests/integration/test_deepspeed_resume.py. Skipped without the deepspeed extra."""
+is committed. Resume is tests/integration/test_sharded_resume.py. Skipped without the deepspeed extra."""
 
 from __future__ import annotations
 

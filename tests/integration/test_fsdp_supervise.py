@@ -18,11 +18,11 @@ import pytest
 
 from tests.integration import test_resume as r
 from tests.integration.test_cli import rlctl
-from tests.integration.test_fsdp_resume import FSDP
+from tests.integration.test_sharded_resume import LEARNERS, RUN as SHARDED
 
 pytestmark = pytest.mark.slow
 
-RUN = (*FSDP, "checkpoint.keep_last=3")  # keep step 2's checkpoint (the one resumed from) to inspect it
+RUN = (*LEARNERS["fsdp2"], *SHARDED, "checkpoint.keep_last=3")  # keep step 2's checkpoint (the one resumed from) to inspect it
 
 
 @pytest.fixture()
