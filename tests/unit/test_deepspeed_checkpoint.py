@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import learner_context, rollout_batch
-from tests.unit.test_fsdp_checkpoint import _commit, _max_diff
+from tests.unit.test_fsdp_checkpoint import _commit, _max_diff, _two_ranks_commit_then_step
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -39,26 +39,13 @@ def _learner(session, world: int, stage: int):
 def test_zero3_save_reshard_two_to_one_then_one_to_two_under_zero2_then_export(session, tmp_path):
     from safetensors.torch import load_file
 
-    from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint, verify
+    from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint
 
     batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
     store = DiskCheckpointStore(tmp_path / "ckpt", keep_last=5, async_save=False)
 
     two = _learner(session, 2, 3)
-    try:
-        for _ in range(2):
-            two.train_step(batch)
-        path = _commit(store, two, 2, session)
-        saved = two.export_weights().state_dict
-        after_two = two.train_step(batch)
-        next_two = two.export_weights().state_dict
-    finally:
-        two.close()
-
-    manifest = verify(path)
-    shard_files = [f.path for f in manifest.files if f.path.startswith("shards/")]
-    assert len(shard_files) == 2, shard_files  # one file per rank, each in the manifest with its sha256
-    assert not any(f.path == "model/model.safetensors" for f in manifest.files)
+    path, saved, after_two, next_two = _two_ranks_commit_then_step(store, two, batch, session)
 
     one = _learner(session, 1, 3)  # 2 -> 1: the one rank reads both pieces of every tensor
     try:

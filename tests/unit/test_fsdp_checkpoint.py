@@ -53,20 +53,11 @@ def _commit(store, learner, step: int, session) -> str:
     return str(store.root / f"step-{step:06d}")
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+def _two_ranks_commit_then_step(store, two, batch, session):
+    """Two steps on ``two`` (a 2-rank learner, closed after), a sharded checkpoint of step 2 checked for one
+    manifest file per rank, then one more step: (path, weights saved, stats after, weights after)."""
+    from rlctl.engine.checkpoint import verify
 
-
-def test_save_reshard_two_to_one_and_one_to_two_then_export(session, tmp_path):
-    from safetensors.torch import load_file
-
-    from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint, verify
-
-    batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
-    store = DiskCheckpointStore(tmp_path / "ckpt", keep_last=5, async_save=False)
-
-    two = _learner(session, 2)
     try:
         for _ in range(2):
             two.train_step(batch)
@@ -81,6 +72,24 @@ def test_save_reshard_two_to_one_and_one_to_two_then_export(session, tmp_path):
     shard_files = [f.path for f in manifest.files if f.path.startswith("shards/")]
     assert len(shard_files) == 2, shard_files  # one file per rank, each in the manifest with its sha256
     assert not any(f.path == "model/model.safetensors" for f in manifest.files)
+    return path, saved, after_two, next_two
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_save_reshard_two_to_one_and_one_to_two_then_export(session, tmp_path):
+    from safetensors.torch import load_file
+
+    from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint
+
+    batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
+    store = DiskCheckpointStore(tmp_path / "ckpt", keep_last=5, async_save=False)
+
+    two = _learner(session, 2)
+    path, saved, after_two, next_two = _two_ranks_commit_then_step(store, two, batch, session)
 
     # 2 -> 1: the one rank reads both pieces of every tensor
     one = _learner(session, 1)
