@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 console = Console(width=160) if not sys.stdout.isatty() else Console()
 err_console = Console(stderr=True)
@@ -55,7 +56,7 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any
     for col in columns:
         t.add_column(col)
     for row in rows:
-        t.add_row(*[fmt(v) for v in row])
+        t.add_row(*[Text(fmt(v)) for v in row])  # cells are data, never markup: "[offloaded]" must print as is
     return t
 
 
