@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import ConfigError
@@ -119,15 +119,17 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     capacity = options.device_memory_bytes or host_memory_bytes()
     work = workload(config, options.prompt_tokens or prompt_max, roles, critic=critic, shape=shape,
                     kv_elem_bytes=strat.rollout_bytes, device_memory_bytes=options.device_memory_bytes)
-    placements = {}
+    placements, places = {}, []
     for text in options.placements:
         try:
             place = Placement.parse(text, options.devices)
         except ValueError as err:
             raise ConfigError(str(err), "use --placement colocate or split:4+4 (a comma list for both)") from None
         placements[place.label] = ledger(shape, work, strat, place, capacity, options.headroom)
+        places.append(place)
     notes = [f"prompt tokens: {work.prompt_tokens} "
              + ("(--prompt-tokens)" if options.prompt_tokens else "(longest train prompt, run's tokenizer)")]
+    notes += world_size_notes(config, places, gpu)
     notes += roles.notes
     notes += rollout_budget_notes(roles.rollout, work, gpu)
     notes += learner_notes(config, plugins, roles, strat.zero_stage)
@@ -147,6 +149,16 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
     return DryrunReport(checks=tuple(checks), shape=shape, workload=work, strategy=strat, placements=placements,
                         smoke=smoke, notes=tuple(notes), staleness=staleness)
 
+
+def world_size_notes(config: RunConfig, places: Sequence[Any], gpu: bool) -> list[str]:
+    """A placement whose learner pool differs from the sharded learner's ``world_size``: the ledger shards over
+    the placement's learner devices, the run would shard over ``world_size`` ranks; say so rather than hide it."""
+    world = (config.train.learner_options or {}).get("world_size")
+    if not gpu or not isinstance(world, int):
+        return []
+    return [f"placement {p.label} gives the learner {p.learner_devices} devices but train.learner_options.world_size "
+            f"is {world}: the ledger assumes {p.learner_devices}; run this layout with "
+            f"train.learner_options.world_size={p.learner_devices}" for p in places if p.learner_devices != world]
 
 # -- checks ------------------------------------------------------------------------------------
 

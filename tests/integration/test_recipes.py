@@ -38,7 +38,7 @@ def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):
         (tmp_path / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
     proc = rlctl("dryrun", "configs/grpo-7b-8gpu.yaml", f"model.path={model}",
                  *(f"task.options.{s}={tmp_path / f'{s}.jsonl'}" for s in ("train", "dev", "hidden")),
-                 "--gpus", "8", "--gpu-mem", "80GiB", "--placement", "split:4+4", "--zero-stage", "3", "--no-smoke",
+                 "--gpus", "8", "--gpu-mem", "80GiB", "--placement", "split:4+4,colocate", "--zero-stage", "3", "--no-smoke",
                  "--json", home=tmp_path, check=True)
     report = json.loads(proc.stdout)
     assert all(c["ok"] for c in report["checks"]), report["checks"]
@@ -51,6 +51,10 @@ def test_7b_recipe_passes_the_dry_run(tmp_path, _rlctl_home):
     assert "learner: 'fsdp2' (ZeRO-3 / FSDP full shard)" in report["notes"], report["notes"]
     assert not [n for n in report["notes"] if "cannot run" in n or "does not do" in n], report["notes"]
     assert report["strategy"] == "bf16 params + fp32 master, ZeRO-3, activation checkpointing"
+    # world_size 8 fits colocate (8 learner GPUs); the split layout's 4 learner GPUs get a note naming the fix
+    mismatch = [n for n in report["notes"] if "train.learner_options.world_size is 8" in n]
+    assert len(mismatch) == 1 and mismatch[0].startswith("placement split:4+4 gives the learner 4 devices"), mismatch
+    assert "train.learner_options.world_size=4" in mismatch[0]
 
 
 def test_quickstart_recipes_share_its_warm_start():
