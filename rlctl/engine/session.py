@@ -180,6 +180,22 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+
+def _refuse_sharded_learner_on_ray(config: RunConfig, plugins: Plugins) -> None:
+    """A learner that starts its own rank group (an options model with ``world_size``: fsdp2, deepspeed) cannot
+    yet run as the Ray placement's learner actor: the actor and the driver's canonical copy would each start a
+    group, and the driver moves learner state between them as one in-memory checkpoint, not as shards."""
+    if config.cluster.backend != "ray":
+        return
+    options = plugins.get("learner_backend", config.train.learner).options
+    if options is not None and "world_size" in getattr(options, "model_fields", {}):
+        raise ConfigError(
+            f"train.learner={config.train.learner} (a sharded learner that starts its own rank group) cannot run "
+            "under cluster.backend=ray yet",
+            f"use cluster.backend=local (mode=one_step_off and mode=async run there too, with the "
+            f"{config.train.learner} ranks as local processes), or train.learner=torch on Ray")
+
+
 def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
                   progress: Callable[[int, int, float], None] | None = None, task: TaskData | None = None) -> Session:
     """Build every role of a run; ``task`` skips loading the task when the caller already has it."""
@@ -190,6 +206,7 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
     estimator = build_estimator(config, plugins)
+    _refuse_sharded_learner_on_ray(config, plugins)
     task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
