@@ -498,28 +498,24 @@ class RayLearner:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _get(self, ref: Any) -> Any:
+        """``ray.get(ref)``; a dead or restarted learner actor is LearnerLost once it answers again."""
         try:
-            return ray.get(self.actor.call.remote(method, *args))
+            return ray.get(ref)
         except (*_LOST, ActorReset) as err:
             _wait_alive(self.actor, "the learner")
             raise LearnerLost(f"{type(err).__name__}") from err
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._get(self.actor.call.remote(method, *args))
 
     @property
     def policy_version(self) -> int:
-        try:
-            return ray.get(self.actor.attr.remote("policy_version"))
-        except (*_LOST, ActorReset) as err:
-            _wait_alive(self.actor, "the learner")
-            raise LearnerLost(f"{type(err).__name__}") from err
+        return self._get(self.actor.attr.remote("policy_version"))
 
     def accept_initial_state(self) -> None:
         """Let a restarted learner actor serve from its initial state (recovery found no checkpoint yet)."""
-        try:
-            ray.get(self.actor.accept_initial_state.remote())
-        except _LOST as err:
-            _wait_alive(self.actor, "the learner")
-            raise LearnerLost(f"{type(err).__name__}") from err
+        self._get(self.actor.accept_initial_state.remote())
 
     def logprobs(self, batch: Any) -> Any:
         return self._call("logprobs", batch)
@@ -531,20 +527,12 @@ class RayLearner:
         return self._call("train_step", batch)
 
     def train_step_with_logprobs(self, batch: Any) -> tuple[Mapping[str, float], Any]:
-        try:
-            return ray.get(self.actor.train_step_with_logprobs.remote(batch))
-        except (*_LOST, ActorReset) as err:
-            _wait_alive(self.actor, "the learner")
-            raise LearnerLost(f"{type(err).__name__}") from err
+        return self._get(self.actor.train_step_with_logprobs.remote(batch))
 
     def export_weights(self) -> WeightUpdate:
         """The new version's tag, with its tensors left in the object store for the rollout actors."""
-        try:
-            meta, ref = self.actor.export_weights.remote()
-            version, fingerprint = ray.get(meta)
-        except (*_LOST, ActorReset) as err:
-            _wait_alive(self.actor, "the learner")
-            raise LearnerLost(f"{type(err).__name__}") from err
+        meta, ref = self.actor.export_weights.remote()
+        version, fingerprint = self._get(meta)
         return WeightUpdate(version=version, state_dict=StoredWeights(ref), fingerprint=fingerprint)
 
     def checkpoint_state(self) -> Any:

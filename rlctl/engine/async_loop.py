@@ -522,8 +522,9 @@ class AsyncDriver:
             learner_stats.update(s.learner.train_step(batch))
         dlag = lag_divergence(prox, mu, mask).tolist()  # [N]: mean |log pi_learner - log mu| per sample
         t2 = time.perf_counter()
-        s.rollout.update_weights(s.learner.export_weights())
-        self.queue.set_version(s.learner.policy_version)
+        update = s.learner.export_weights()  # carries the new policy_version (no second call to a learner actor)
+        s.rollout.update_weights(update)
+        self.queue.set_version(update.version)
         t3 = time.perf_counter()
         self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],
                            "dropped": taken.dropped_ids + no_signal, "weighted": taken.weighted,
@@ -536,7 +537,7 @@ class AsyncDriver:
         wall = t3 - t0
         metrics = step_metrics(scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
                                advantages=advantages.abs().sum(-1),
-                               verify_latencies=[], learner_version=s.learner.policy_version,
+                               verify_latencies=[], learner_version=update.version,
                                times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2},
                                trained_version=version)
         metrics.update(overlap_metrics(staleness=[dv for dv in staleness for _ in range(spec.group_size)],
