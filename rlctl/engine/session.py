@@ -180,7 +180,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-
 def _refuse_sharded_learner_on_ray(config: RunConfig, plugins: Plugins) -> None:
     """A learner that starts its own rank group (an options model with ``world_size``: fsdp2, deepspeed) cannot
     yet run as the Ray placement's learner actor: the actor and the driver's canonical copy would each start a
