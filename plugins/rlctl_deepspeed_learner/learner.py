@@ -51,10 +51,9 @@ from typing import Any, Mapping
 
 import torch
 
-from rlctl import CheckpointError, WeightUpdate
+from rlctl import CheckpointError
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import shards
-from rlctl.models.fingerprint import fingerprint
 from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
 from rlctl_fsdp_learner.learner import RankGroup, ShardedCheckpoints, check_same_model, sharded_state
 from rlctl_torch_learner.learner import TorchLearner
@@ -101,6 +100,8 @@ def _forget_previous_groups() -> None:
 class _Rank(TorchLearner):
     """One rank's share: the torch learner's update through a DeepSpeed ZeRO engine."""
 
+    shrink_on_oom = False  # every rank must run the same collectives: an OOM fails the step, naming the rank
+
     def __init__(self, ctx: LearnerContext, options: DeepSpeedLearnerOptions, rank: int, world: int) -> None:
         _quiet_environment()
         import logging
@@ -108,8 +109,10 @@ class _Rank(TorchLearner):
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        # DeepSpeed reads the launcher's variables; the group itself is already up (rlctl_fsdp_learner._init_group)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        # DeepSpeed reads the launcher's variables (LOCAL_RANK picks its CUDA device: a Ray actor sees only its own
+        # GPU, cuda:0); the group itself is already up (rlctl.dist.ranks.init_group)
+        local = torch.device(ctx.device).index if ctx.device.startswith("cuda") else rank
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(local or 0), WORLD_SIZE=str(world))
         _forget_previous_groups()
         super().__init__(ctx, TorchLearnerOptions(dtype="float32", share_prompt_prefill=False,
                                                   gradient_checkpointing=options.gradient_checkpointing))
@@ -334,12 +337,5 @@ class DeepSpeedLearner(ShardedCheckpoints, RankGroup):
         _quiet_environment()  # before the followers are spawned: they inherit it
         super().__init__(ctx, options or DeepSpeedLearnerOptions())
 
-    def export_weights(self) -> WeightUpdate:
-        state = self._run("full_state")
-        return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
-
     def optimizer_state_dtypes(self) -> dict[str, set[torch.dtype]]:
-        return self._rank.optimizer_state_dtypes()
-
-    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
-        return self._rank.resident_tensors()
+        return self.ranks.call0("optimizer_state_dtypes")

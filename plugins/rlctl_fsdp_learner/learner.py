@@ -2,7 +2,9 @@
 
 What this is: a LearnerBackend whose rank 0 is the training process (it drives
 the loop, the registry and the rollout) and whose ranks 1..N-1 are spawned
-processes that follow its commands. Every rank loads the same policy, applies
+processes that follow its commands (LocalRanks); under ``cluster.backend=ray``
+all N ranks are Ray actors instead (rlctl.dist.ray_ranks) and the training
+process only commands them. Every rank loads the same policy, applies
 ``torch.distributed.fsdp.fully_shard`` to each decoder layer and then to the
 root, and builds AdamW over its shards, so parameters, gradients and optimizer
 state are split N ways. The update maths is the torch learner's own
@@ -36,9 +38,8 @@ import atexit
 import os
 import pickle
 import queue
-import socket
 import traceback
-from datetime import timedelta
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from rlctl import CheckpointError, ConfigError, RoleError, WeightUpdate
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.dist.ranks import free_port, init_group, rank_device
 from rlctl.engine import shards, state_codec
 from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
@@ -59,6 +61,8 @@ _POLL_S = 2.0  # how often an idle follower checks that rank 0 is still alive
 
 class _Rank(TorchLearner):
     """One rank's share: the torch learner's update over an FSDP2-sharded model."""
+
+    shrink_on_oom = False  # every rank must run the same collectives: an OOM fails the step, naming the rank
 
     def __init__(self, ctx: LearnerContext, options: FsdpLearnerOptions, rank: int, world: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -191,37 +195,14 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _backend(device: torch.device) -> str:
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-
-
-def _rank_ctx(ctx: LearnerContext, device: torch.device, rank: int) -> LearnerContext:
-    from dataclasses import replace
-
-    return replace(ctx, device=f"cuda:{rank}" if device.type == "cuda" else "cpu")
-
-
-def _init_group(device: torch.device, port: int, rank: int, world: int, timeout_s: float) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-
-
 def _follow(make_rank: Any, rank: int, world: int, port: int, ctx: LearnerContext, options: Any,
             device: torch.device, commands: Any, errors: Any) -> None:
     """A follower rank: join the group, build its shard, then run rank 0's commands until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parent = os.getppid()
     try:
-        _init_group(device, port, rank, world, options.rank_timeout_s)
-        me = make_rank(_rank_ctx(ctx, device, rank), options, rank, world)
+        init_group(device, "127.0.0.1", port, rank, world, options.rank_timeout_s)
+        me = make_rank(replace(ctx, device=rank_device(device, rank)), options, rank, world)
         while True:
             try:
                 name, args = pickle.loads(commands.get(timeout=_POLL_S))
@@ -238,50 +219,42 @@ def _follow(make_rank: Any, rank: int, world: int, port: int, ctx: LearnerContex
         raise SystemExit(1) from None
 
 
-class RankGroup:
-    """LearnerBackend: rank 0 of a sharded learner's group; starts and commands ranks 1..N-1.
+class LocalRanks:
+    """A sharded learner's ranks on this node, torchrun-style: rank 0 in this process, ranks 1..N-1 spawned
+    processes that run rank 0's commands (sent over queues, so a follower may idle for any time)."""
 
-    ``make_rank`` (a picklable class or function taking ``(ctx, options,
-    rank, world)``) builds each rank's learner; FsdpLearner's is the FSDP2
-    rank, rlctl_deepspeed_learner's a DeepSpeed ZeRO rank.
-    """
+    remote = False
 
-    make_rank: Any = _Rank
-    label = "FSDP2"
-
-    def __init__(self, ctx: LearnerContext, options: Any = None) -> None:
-        self.options = options or FsdpLearnerOptions()
-        self.world = self.options.world_size
+    def __init__(self, make_rank: Any, label: str, ctx: LearnerContext, options: Any) -> None:
+        self.label, self.options, self.world = label, options, options.world_size
         device = resolve_device(ctx.device, "train.device")
         if device.type == "cuda" and torch.cuda.device_count() < self.world:
             raise ConfigError(f"train.learner_options.world_size is {self.world} but only "
                               f"{torch.cuda.device_count()} CUDA device(s) are visible",
-                              "lower world_size to the number of GPUs on this node")
+                              "lower world_size to the number of GPUs on this node, or run the ranks as Ray actors "
+                              "across nodes (cluster.backend=ray)")
         if dist.is_initialized():
             raise RoleError("this process already belongs to a torch.distributed group",
-                            f"run one {self.label} learner per process (close the previous one first)")
+                            f"run one {label} learner per process (close the previous one first)")
         mp = torch.multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._errors = mp.Queue()
         self._commands = [mp.Queue() for _ in range(1, self.world)]
-        self._procs = [mp.Process(target=_follow, name=f"rlctl-{self.label.lower()}-rank{r}", daemon=True,
-                                  args=(type(self).make_rank, r, self.world, port, ctx, self.options, device, self._commands[r - 1],
-                                        self._errors))
-                       for r in range(1, self.world)]
+        self.procs = [mp.Process(target=_follow, name=f"rlctl-{label.lower()}-rank{r}", daemon=True,
+                                 args=(make_rank, r, self.world, port, ctx, options, device, self._commands[r - 1],
+                                       self._errors))
+                      for r in range(1, self.world)]
         self._broken: str | None = None
-        for p in self._procs:
+        for p in self.procs:
             p.start()
         try:
-            _init_group(device, port, 0, self.world, self.options.rank_timeout_s)
-            self._rank = type(self).make_rank(_rank_ctx(ctx, device, 0), self.options, 0, self.world)
+            init_group(device, "127.0.0.1", port, 0, self.world, options.rank_timeout_s)
+            self.rank0 = make_rank(replace(ctx, device=rank_device(device, 0)), options, 0, self.world)
         except Exception as err:
             self._fail("start-up", err)
-        self.device = self._rank.device
-        atexit.register(self.close)  # the learner contract has no close: leave the group when the run's process exits
+        self.device = self.rank0.device
 
-    # -- the group ---------------------------------------------------------------
-
-    def _run(self, name: str, *args: Any) -> Any:
+    def run(self, name: str, *args: Any) -> Any:
         """Run ``name`` on every rank (the followers get it first); rank 0's result."""
         if self._broken:
             raise RoleError(f"the {self.label} learner group is down ({self._broken})", "restart or resume the run")
@@ -289,13 +262,28 @@ class RankGroup:
         for q in self._commands:
             q.put(message)
         try:
-            return getattr(self._rank, name)(*args)
+            return getattr(self.rank0, name)(*args)
         except Exception as err:
             self._fail(name, err)
 
+    def call0(self, name: str, *args: Any) -> Any:
+        """Run ``name`` on rank 0 alone (no collective: e.g. the unsharded reference's log-probs)."""
+        return getattr(self.rank0, name)(*args)
+
+    def get0(self, name: str) -> Any:
+        return getattr(self.rank0, name)
+
+    def export(self) -> WeightUpdate:
+        state = self.run("full_state")
+        return WeightUpdate(version=self.rank0.policy_version, state_dict=state, fingerprint=fingerprint(state))
+
+    def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
+        """Rank 0's own shards (what this process holds), by ledger term."""
+        return {k: [_local(t) for t in v] for k, v in self.rank0.resident_tensors().items()}
+
     def _fail(self, what: str, err: BaseException) -> None:
         """Name the rank that failed, stop the group and raise; never leave anyone waiting."""
-        for p in self._procs:
+        for p in self.procs:
             p.join(timeout=5.0 if p.is_alive() else 0)
         reports = []
         while True:
@@ -303,7 +291,7 @@ class RankGroup:
                 reports.append(self._errors.get(timeout=0.5))
             except queue.Empty:
                 break
-        dead = [(r, p.exitcode) for r, p in enumerate(self._procs, 1) if not p.is_alive()]
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
         if isinstance(err, CheckpointError):  # rank 0's verdict on the checkpoint's files (every rank reads the same)
             reason = None
         elif reports:
@@ -325,10 +313,10 @@ class RankGroup:
                         "`rlctl resume` continues from its last checkpoint") from err
 
     def _stop(self, terminate: bool) -> None:
-        for q, p in zip(self._commands, self._procs):
+        for q, p in zip(self._commands, self.procs):
             if p.is_alive() and not terminate:
                 q.put(pickle.dumps(("close", ())))
-        for p in self._procs:
+        for p in self.procs:
             p.join(timeout=0 if terminate else 30)
             if p.is_alive():
                 p.kill()
@@ -349,35 +337,77 @@ class RankGroup:
         except Exception:
             pass
 
+
+class RankGroup:
+    """LearnerBackend over a sharded learner's ranks; every rank holds a shard and runs every update.
+
+    ``make_rank`` (a picklable class or function taking ``(ctx, options,
+    rank, world)``) builds each rank's learner; FsdpLearner's is the FSDP2
+    rank, rlctl_deepspeed_learner's a DeepSpeed ZeRO rank. Where the ranks
+    run is the context's ``rank_launcher``: none starts them here
+    (LocalRanks); under ``cluster.backend=ray`` they are Ray actors
+    (rlctl.dist.ray_ranks.RayRanks), and this process holds no shard.
+    """
+
+    make_rank: Any = _Rank
+    label = "FSDP2"
+
+    def __init__(self, ctx: LearnerContext, options: Any = None) -> None:
+        self.options = options or FsdpLearnerOptions()
+        self.world = self.options.world_size
+        launch = ctx.rank_launcher or LocalRanks
+        self.ranks = launch(type(self).make_rank, self.label, replace(ctx, rank_launcher=None), self.options)
+        self.device = self.ranks.device
+        atexit.register(self.close)  # the learner contract has no close: leave the group when the run's process exits
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self.ranks.run(name, *args)
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent)."""
+        self.ranks.close()
+
+    def accept_initial_state(self) -> None:
+        """Let restarted ranks serve from their initial state (recovery found no checkpoint yet)."""
+        accept = getattr(self.ranks, "accept_initial_state", None)
+        if accept is not None:
+            accept()
+
     # -- LearnerBackend -------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:
-        return self._rank.policy_version
+        return self.ranks.get0("policy_version")
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._run("logprobs", batch)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        return self._rank.ref_logprobs(batch)  # the unsharded reference lives on rank 0 only
+        return self.ranks.call0("ref_logprobs", batch)  # the unsharded reference lives on rank 0 only
+
+    def _with_reference(self, batch: TrainBatch) -> TrainBatch:
+        if batch.ref_logprobs is None:
+            ref = self.ref_logprobs(batch)  # None when the loss needs no reference
+            if ref is not None:
+                batch = replace(batch, ref_logprobs=ref)
+        return batch
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
-        if self._rank.reference is not None and batch.ref_logprobs is None:
-            from dataclasses import replace
+        return self._run("train_step", self._with_reference(batch))
 
-            batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
-        return self._run("train_step", batch)
+    def train_step_with_logprobs(self, batch: TrainBatch) -> tuple[Mapping[str, float], torch.Tensor]:
+        """The update and log pi before it from one pass over the batch (see the torch learner's)."""
+        return self._run("train_step_with_logprobs", self._with_reference(batch))
 
     def export_weights(self) -> WeightUpdate:
-        state = self._run("full_state")
-        return WeightUpdate(version=self.policy_version, state_dict=state, fingerprint=fingerprint(state))
+        return self.ranks.export()
 
     def save_pretrained(self, directory: str) -> None:
         self._run("save_full", directory)
 
     def resident_tensors(self) -> Mapping[str, list[torch.Tensor]]:
-        """Rank 0's own shards (what this process holds), by ledger term."""
-        return {k: [_local(t) for t in v] for k, v in self._rank.resident_tensors().items()}
+        """This process's own shards by ledger term (none when the ranks are Ray actors)."""
+        return self.ranks.resident_tensors()
 
 
 class ShardedCheckpoints:

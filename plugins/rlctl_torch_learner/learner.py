@@ -54,6 +54,8 @@ class TorchLearner:
 
     _capture: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None  # set inside train_step_with_logprobs
 
+    shrink_on_oom = True  # halve the micro-batch and retry after an OOM (a sharded rank cannot: see _recover_oom)
+
     def __init__(self, ctx: LearnerContext, options: TorchLearnerOptions | None = None) -> None:
         self.options = options or TorchLearnerOptions()
         self.algo, self.optim_cfg = ctx.algo, ctx.optim
@@ -254,6 +256,10 @@ class TorchLearner:
         old = self.micro_batch_size
         kind, breakdown = classify_oom(self.model, self.optimizer, min(old, mini.num_sequences),
                                        int(mini.input_ids.shape[1]))
+        if not self.shrink_on_oom:
+            raise RoleError(f"a sharded learner rank ran out of memory at micro-batch size {old} ({kind}: {err})",
+                            "lower algo.micro_batch_size (one rank cannot shrink its micro-batch alone: every rank "
+                            "must run the same collectives), enable gradient_checkpointing, or add ranks") from err
         if old <= 1:
             report_recovery("oom_unrecoverable", f"OOM at micro-batch size 1 ({kind}); the step cannot shrink further",
                             {"classification": kind, "bytes": breakdown, "error": str(err)[:200]})

@@ -78,20 +78,26 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def _arm_faults(faults: Any, plugins: Any = None) -> None:
+def _arm_faults(faults: Any, plugins: Any = None) -> Callable[[], None]:
     """Arm the run's faults (``(plan, claims)`` from _FaultRelay.spec) in this actor's process, and send its
-    recovery reports (``report_recovery``) to the driver through the same broker."""
+    recovery reports (``report_recovery``) to the driver through the same broker; return the disarm."""
     if faults is None:
-        return
+        return lambda: None
     plan, claims = faults
     forward_recoveries(claims.recovered)
     if not plan:
-        return
+        return lambda: forward_recoveries(None)
     if plugins is None:
         from rlctl.hooks.manager import load_plugins
 
         plugins = load_plugins()
-    arm_plan(plan, claims, lambda f: plugins.build("fault", f.kind, f.options, f.where))
+    disarm = arm_plan(plan, claims, lambda f: plugins.build("fault", f.kind, f.options, f.where))
+
+    def undo() -> None:
+        disarm()
+        forward_recoveries(None)
+
+    return undo
 
 
 @ray.remote
@@ -219,6 +225,35 @@ class _FaultRelay:
             for ctx in self.contexts.values():
                 ctx.share(None)
             ray.kill(self.broker, no_restart=True)
+
+
+def connect(cluster: Any) -> bool:
+    """Join ``cluster.address``, or start a local cluster sized by ``cluster.num_cpus``, unless Ray is up already;
+    whether this call started it (then the caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    if cluster.address:
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local cluster on loopback
+        ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def reserve(bundles: list[dict[str, float]], strategy: str, started: bool) -> Any:
+    """A ready placement group of ``bundles``; RoleError (and Ray shut down if ``started``) when it cannot be placed."""
+    pg = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        if started:
+            ray.shutdown()
+        raise RoleError(f"the Ray cluster cannot place {len(bundles)} bundles {bundles} "
+                        f"(it has {ray.cluster_resources()})",
+                        "lower cluster.num_rollout_workers, train.learner_options.world_size or the per-actor "
+                        "num_cpus/num_gpus, or add nodes") from None
+    return pg
 
 
 class ActorReset(Exception):
@@ -554,37 +589,29 @@ class RayLearner:
 class RayPlacement:
     """Starts (or joins) Ray, reserves the bundles, and runs the learner and the rollout workers as actors.
 
-    The session keeps its in-process learner as the canonical copy between
-    runs: the actor starts from it (so a resumed run continues from the
-    restored state) and the final state is copied back on close (so the final
-    policy and evaluation read it as in a local run).
+    A one-process learner (``train.learner: torch``) runs in a LearnerActor
+    started here. The session keeps its in-process learner as the canonical
+    copy between runs: the actor starts from it (so a resumed run continues
+    from the restored state) and the final state is copied back on close (so
+    the final policy and evaluation read it as in a local run). A sharded
+    learner's ranks are Ray actors already (rlctl.dist.ray_ranks, started with
+    the session and living as long as it): the placement uses it as it is,
+    arms the run's faults in its ranks and reserves bundles for the rollout
+    workers only.
     """
 
     def __init__(self, session: Any, plugins: Any) -> None:
         cfg = session.config.cluster
         self.session, self.cfg = session, cfg
-        self._started = False
-        if not ray.is_initialized():
-            if cfg.address:
-                ray.init(address=cfg.address, log_to_driver=False)
-            else:
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local cluster on loopback
-                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
-            self._started = True
+        self._started = connect(cfg)
+        ranks = getattr(session.learner, "ranks", None)
+        self.ranks = ranks if getattr(ranks, "remote", False) else None
         n = cfg.num_rollout_workers
-        bundles = [{"CPU": cfg.learner_num_cpus, **({"GPU": cfg.learner_num_gpus} if cfg.learner_num_gpus else {})}]
+        bundles = [] if self.ranks is not None else [
+            {"CPU": cfg.learner_num_cpus, **({"GPU": cfg.learner_num_gpus} if cfg.learner_num_gpus else {})}]
         bundles += [{"CPU": cfg.rollout_num_cpus, **({"GPU": cfg.rollout_num_gpus} if cfg.rollout_num_gpus else {})}
                     for _ in range(n)]
-        self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
-        except GetTimeoutError:
-            remove_placement_group(self.pg)
-            if self._started:
-                ray.shutdown()
-            raise RoleError(f"the Ray cluster cannot place {len(bundles)} bundles {bundles} "
-                            f"(it has {ray.cluster_resources()})",
-                            "lower cluster.num_rollout_workers or the per-actor num_cpus/num_gpus, or add nodes") from None
+        self.pg = reserve(bundles, cfg.placement_strategy, self._started)
         self.relay = _FaultRelay(armed_plan())  # the run's faults armed in every actor; recoveries reported back
         try:
             self._start_actors(session, plugins)
@@ -596,25 +623,31 @@ class RayPlacement:
             raise
 
     def _start_actors(self, session: Any, plugins: Any) -> None:
+        from dataclasses import replace
+
         cfg = self.cfg
         faults = self.relay.spec
         self.local_learner = session.learner
         config, s = session.config, session
-        lctx = LearnerContext(model_dir=str(s.policy_dir), algo=config.algo, optim=config.train.optim,
-                              seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
-                              deterministic=config.train.deterministic)
-        threads = max(1, int(cfg.learner_num_cpus))
-        self.learner_actor = LearnerActor.options(
-            num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus, max_restarts=cfg.max_restarts,
-            max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0),
-        ).remote(config.train.learner, config.train.learner_options, lctx, threads, faults)
-        self.learner = RayLearner(self.learner_actor)
-        if self.local_learner.policy_version > 0:  # a resumed run: the actor continues from the restored state
-            self.learner.load_checkpoint_state(self.local_learner.checkpoint_state())
+        first = 0
+        if self.ranks is not None:
+            self.learner_actor, self.learner = None, session.learner
+            self.ranks.arm(faults)
+        else:
+            first = 1  # bundle 0 is the learner's
+            threads = max(1, int(cfg.learner_num_cpus))
+            self.learner_actor = LearnerActor.options(
+                num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus, max_restarts=cfg.max_restarts,
+                max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0),
+            ).remote(config.train.learner, config.train.learner_options, replace(s.learner_ctx, rank_launcher=None),
+                     threads, faults)
+            self.learner = RayLearner(self.learner_actor)
+            if self.local_learner.policy_version > 0:  # a resumed run: the actor continues from the restored state
+                self.learner.load_checkpoint_state(self.local_learner.checkpoint_state())
         self.actors = [
             RolloutActor.options(
                 num_cpus=cfg.rollout_num_cpus, num_gpus=cfg.rollout_num_gpus, max_restarts=cfg.max_restarts,
-                max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i + 1),
+                max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, first + i),
             ).remote(config.rollout.backend, config.rollout.options,
                      RolloutContext(model_dir=str(s.policy_dir), tokenizer_hash=s.tokenizer_hash,
                                     seed=config.run.seed + 1000 * i), max(1, int(cfg.rollout_num_cpus)), faults)
@@ -638,7 +671,12 @@ class RayPlacement:
 
     def close(self) -> None:
         try:
-            if self.session.learner is self.learner:
+            if self.ranks is not None:
+                try:
+                    self.ranks.arm(None)  # the ranks outlive this placement; its fault broker does not
+                except (LearnerLost, RoleError):
+                    pass  # lost or broken ranks hold no armed faults that could fire
+            elif self.session.learner is self.learner:
                 try:
                     self.local_learner.load_checkpoint_state(self.learner.checkpoint_state())
                 except (LearnerLost, RoleError):
@@ -649,7 +687,8 @@ class RayPlacement:
                 self.session.reward_pool = self.local_pool
                 self.reward_pool.close()
             for actor in [self.learner_actor, *self.actors]:
-                ray.kill(actor, no_restart=True)
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
             self.relay.close()  # after the actors: every firing and recovery they handed over is recorded
             remove_placement_group(self.pg)
             if self._started:

@@ -47,6 +47,7 @@ class Session:
     reward_pool: Any = None  # a RewardPool when reward.workers > 1; the loop then grades through it
     queue: Any = None  # the live TrajectoryQueue of an overlapped run (rlctl.engine.async_loop); None when sync
     queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
+    learner_ctx: LearnerContext | None = None  # what the learner was built with (a Ray learner actor is built alike)
 
 
 def load_task(config: RunConfig, plugins: Plugins, reward: MixedReward | None = None) -> TaskData:
@@ -180,19 +181,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def _refuse_sharded_learner_on_ray(config: RunConfig, plugins: Plugins) -> None:
-    """A learner that starts its own rank group (an options model with ``world_size``: fsdp2, deepspeed) cannot
-    yet run as the Ray placement's learner actor: the actor and the driver's canonical copy would each start a
-    group, and the driver moves learner state between them as one in-memory checkpoint, not as shards."""
-    if config.cluster.backend != "ray":
-        return
-    options = plugins.get("learner_backend", config.train.learner).options
-    if options is not None and "world_size" in getattr(options, "model_fields", {}):
-        raise ConfigError(
-            f"train.learner={config.train.learner} (a sharded learner that starts its own rank group) cannot run "
-            "under cluster.backend=ray yet",
-            f"use cluster.backend=local (mode=one_step_off and mode=async run there too, with the "
-            f"{config.train.learner} ranks as local processes), or train.learner=torch on Ray")
+def learner_context(config: RunConfig, estimator: AdvantageEstimator, policy_dir: Path) -> LearnerContext:
+    """What the learner is built with; under ``cluster.backend=ray`` a sharded learner's ranks become Ray actors."""
+    launcher = None
+    if config.cluster.backend == "ray":
+        from functools import partial
+
+        from rlctl.dist.ray_ranks import RayRanks  # imports ray; starts nothing until a sharded learner calls it
+
+        launcher = partial(RayRanks, config.cluster)
+    return LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim, seed=config.run.seed,
+                          max_response_tokens=config.rollout.max_tokens, deterministic=config.train.deterministic,
+                          device=config.train.device, policy_loss=policy_loss(config, estimator),
+                          rank_launcher=launcher)
 
 
 def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
@@ -205,25 +206,20 @@ def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
     estimator = build_estimator(config, plugins)
-    _refuse_sharded_learner_on_ray(config, plugins)
     task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
     rollout = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
                             ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tok_hash, seed=config.run.seed))
+    lctx = learner_context(config, estimator, policy_dir)
     learner = plugins.build("learner_backend", config.train.learner, config.train.learner_options,
-                            "train.learner_options",
-                            ctx=LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim,
-                                               seed=config.run.seed, max_response_tokens=config.rollout.max_tokens,
-                                               deterministic=config.train.deterministic,
-                                               device=config.train.device,
-                                               policy_loss=policy_loss(config, estimator)))
+                            "train.learner_options", ctx=lctx)
     return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    rollout=rollout, learner=learner, reward=reward,
                    cursor=PromptCursor(task.train, seed=config.run.seed, batch_size=config.algo.prompts_per_step,
                                        length_window=config.task.length_grouping),
-                   sampling=sampling_config(config), estimator=estimator,
+                   sampling=sampling_config(config), estimator=estimator, learner_ctx=lctx,
                    critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None,
                    reward_factory=lambda: build_reward(config, plugins),
                    reward_pool=build_reward_pool(config))

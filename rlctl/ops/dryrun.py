@@ -411,6 +411,7 @@ def smoke_config(config: RunConfig, task: Any, home: Path) -> tuple[RunConfig, b
 
     cfg = config.model_copy(deep=True)
     cfg.train.steps, cfg.eval.at_end, cfg.checkpoint.every_steps = 2, False, 0
+    cfg.cluster.backend = "local"  # the smoke steps run in this process (a sharded learner's ranks as local processes)
     untrained = False
     if cfg.model.builtin and cfg.model.warm_start.enabled:
         key = warm_start_key(cfg.model, task, cfg.run.seed)

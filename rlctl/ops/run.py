@@ -256,6 +256,9 @@ class Run:
                 session.rollout.close()
                 if session.reward_pool is not None:
                     session.reward_pool.close()
+                close_learner = getattr(session.learner, "close", None)  # a sharded learner's ranks (local or Ray)
+                if close_learner is not None:
+                    close_learner()
                 if self._lock is not None:
                     self._lock.release()
         return self._finish(config, last, start_step, resumed_from)

@@ -104,16 +104,16 @@ def test_fsdp2_bf16_computes_in_bf16_and_keeps_fp32_master_shards_and_moments(ti
     learner = FsdpLearner(ctx, FsdpLearnerOptions(world_size=1, dtype="bfloat16"))
     try:
         seen: set[torch.dtype] = set()
-        proj = learner._rank.model.model.layers[0].mlp.down_proj
+        proj = learner.ranks.rank0.model.model.layers[0].mlp.down_proj
         hook = proj.register_forward_pre_hook(lambda module, args: seen.add(module.weight.dtype))
         learner.train_step(rollout_batch(session, advantages=[1.0, -1.0] * 8)[1])
         hook.remove()
         assert seen == {torch.bfloat16}  # the forward ran on bf16 parameters
-        optimizer = learner._rank.optimizer
+        optimizer = learner.ranks.rank0.optimizer
         masters = {p.dtype for g in optimizer.param_groups for p in g["params"]}
         moments = {t.dtype for s in optimizer.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")}
         assert masters == {torch.float32} and moments == {torch.float32}
-        assert {p.dtype for p in learner._rank.model.parameters()} == {torch.float32}  # resharded: fp32 masters
+        assert {p.dtype for p in learner.ranks.rank0.model.parameters()} == {torch.float32}  # resharded: fp32 masters
     finally:
         learner.close()
         session.rollout.close()

@@ -78,7 +78,7 @@ def test_zero3_three_steps_equal_the_single_process_torch_learner(session, zero3
 
 def test_a_killed_rank_is_named_within_the_timeout(session, zero3):
     batch = rollout_batch(session, num_prompts=2, group_size=2)[1]
-    os.kill(zero3._procs[0].pid, signal.SIGKILL)
+    os.kill(zero3.ranks.procs[0].pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(RoleError, match="learner rank 1"):
         zero3.train_step(batch)

@@ -28,7 +28,7 @@ def test_checkpointed_fsdp2_steps_equal_the_torch_learner(tiny_session):
     single = TorchLearner(ctx, TorchLearnerOptions(share_prompt_prefill=False))
     fsdp = FsdpLearner(ctx, FsdpLearnerOptions(world_size=2, rank_timeout_s=30, gradient_checkpointing=True))
     try:
-        assert fsdp._rank.model.is_activation_checkpointing
+        assert fsdp.ranks.rank0.model.is_activation_checkpointing
         for step in range(2):
             a, b = single.train_step(batch), fsdp.train_step(batch)
             for key in ("loss", "grad_norm", "entropy"):

@@ -83,7 +83,7 @@ def test_three_steps_equal_the_single_process_torch_learner(session, fsdp, tmp_p
 @pytest.mark.slow
 def test_a_killed_rank_is_named_within_the_timeout(session, fsdp):
     batch = rollout_batch(session, num_prompts=2, group_size=2)[1]
-    os.kill(fsdp._procs[0].pid, signal.SIGKILL)
+    os.kill(fsdp.ranks.procs[0].pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(RoleError, match="learner rank 1"):
         fsdp.train_step(batch)
