@@ -29,7 +29,9 @@ Failures:
   too, so a hung rank is reported, never waited on forever.
 
 The group lives as long as the session whose learner it is; each run's
-placement arms the run's faults in its ranks and disarms them when it closes
+placement arms the run's faults in its ranks, again when a fault is armed
+while the run trains (``rlctl inject --run RUN``) and after Ray restarts
+them (from the broker's plan as it is then), and disarms them when it closes
 (``arm``). This is one of the two modules of rlctl that import ray.
 
 What this is not: the ranks' maths (the learner plugins) or the rollout and
@@ -92,7 +94,8 @@ class RankActor:
         return str(self.me.device)
 
     def arm(self, faults: Any) -> None:
-        """Arm the run's faults here (``(plan, claims)`` from the placement's relay); None disarms them."""
+        """Arm the run's faults here: the plan of the placement's fault broker as it is now (``faults`` is the
+        relay's claims; None disarms them)."""
         self._disarm()
         self._disarm = _arm_faults(faults)
 

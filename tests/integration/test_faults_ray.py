@@ -85,3 +85,52 @@ def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_a
     assert m[(steps - 1, "learner_restarts")] == 1 and m[(steps - 1, "micro_batch_size")] == 8
     report = audit(run_dir / "queue")
     assert report.lost == () and report.double_counted == 0
+
+
+def test_faults_injected_into_the_running_run_fire_inside_the_live_learner_actor_and_the_one_ray_restarts(
+        ray_cluster, _rlctl_home, tmp_path):
+    """`rlctl inject --run RUN` on a running Ray run: after step 1 two OOMs (steps 2 and 4) are dropped into
+    the run's inbox; the guard arms them at that step end, the placement adds them to the fault broker's plan
+    and re-arms the live actors, so the first fires in the learner actor that was already running. The learner
+    actor is SIGKILLed at step 3 (a config fault): the process that trains step 4 is a restart that never got
+    that re-arm, it arms the broker's plan as Ray starts it, and the second OOM fires there. Each fires once
+    across the driver and every actor; the recovery reports come back from the actors (micro-batch halved)."""
+    from rlctl.config.load import load_config
+    from rlctl.config.models import FaultSpec
+    from rlctl.engine.async_loop import audit
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.inject import inject_running
+    from rlctl.ops.run import TrainCallbacks
+    from rlctl.ops.train import train
+    from rlctl.registry.store import Registry
+
+    from tests.integration.test_faults import BASE
+
+    steps, run_dir, injected = 5, tmp_path / "ray-live", []
+
+    def after_step(step, metrics):
+        if step == 1 and not injected:  # once: a learner rewind may run step 1's end again
+            injected.extend(inject_running(run_dir, FaultSpec.model_validate({"kind": "oom", "at_step": at}))
+                            for at in (2, 4))
+
+    cfg = load_config(None, [
+        *BASE, "cluster.backend=ray", "cluster.rollout_num_cpus=0.5", "cluster.learner_num_cpus=0.5", "mode=async",
+        "staleness.max_staleness=1", f"train.steps={steps}", "checkpoint.every_steps=1", "algo.micro_batch_size=16",
+        "staleness.take_timeout_s=300", "faults.inject=" + json.dumps([{"kind": "learner-crash", "at_step": 3}])])
+    reg = Registry.open(f"sqlite:///{tmp_path / 'registry.db'}")
+    result = train(cfg, registry=reg, plugins=load_plugins(), home=_rlctl_home, run_dir=run_dir,
+                   callbacks=TrainCallbacks(step=after_step))
+    assert result.run.status == "succeeded"
+    assert len(injected) == 2 and all(p.with_suffix(".armed").is_file() for p in injected)  # taken from the inbox
+    armed = [(e.data["kind"], e.data["at_step"], e.data["fault_index"]) for e in _events(reg, run_dir, "fault_armed")]
+    assert armed == [("oom", 2, 1), ("oom", 4, 2)], armed
+    fired = [(e.data["kind"], e.data["step"], e.data["fault_index"]) for e in _events(reg, run_dir, "fault_injected")]
+    assert sorted(fired) == [("learner-crash", 3, 0), ("oom", 2, 1), ("oom", 4, 2)], fired  # each once
+    [restart] = _events(reg, run_dir, "learner_restarted")
+    assert restart.data["restarts"] == 1
+    ooms = _events(reg, run_dir, "oom_recovered")  # reported inside the learner actors, recorded by the driver
+    assert [(e.data["micro_batch_from"], e.data["micro_batch_to"]) for e in ooms] == [(16, 8), (8, 4)]
+    m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
+    assert [m[(s, "micro_batch_size")] for s in range(steps)] == [16, 16, 8, 8, 4]
+    report = audit(run_dir / "queue")
+    assert report.lost == () and report.double_counted == 0
