@@ -23,9 +23,14 @@ def needs_overlap(config: Any) -> bool:
 
 def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[Any],
                    observer: Callable[[int, Mapping[str, float]], None] | None = None, start_step: int = 0,
-                   checkpoint: Any = None, store: Any = None) -> dict[str, float]:
-    """Run ``session`` with the placement its config names; ``store`` lets a lost learner be restored in-run."""
+                   checkpoint: Any = None, store: Any = None, heartbeat: Any = None) -> dict[str, float]:
+    """Run ``session`` with the placement its config names; ``store`` lets a lost learner be restored in-run.
+
+    ``heartbeat`` (rlctl.engine.heartbeat) is told of the driver's and the
+    producers' phases, whatever placement stands behind the session's roles.
+    """
     from rlctl.engine.async_loop import AsyncDriver, AsyncSpec, WorkerPool
+    from rlctl.engine.heartbeat import NO_HEARTBEAT
 
     config = session.config
     rounds = session.estimator.max_sample_rounds
@@ -49,7 +54,8 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
     try:
         workers = placement.workers()
         driver = AsyncDriver(session, spec, workers, directory / "queue",
-                             recover=_recover(session, store) if store is not None else None, store=store)
+                             recover=_recover(session, store) if store is not None else None, store=store,
+                             heartbeat=heartbeat or NO_HEARTBEAT)
         local_rollout = session.rollout
         session.rollout = WorkerPool(workers, driver.board)
         try:
