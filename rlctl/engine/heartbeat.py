@@ -20,7 +20,13 @@ Phases (``name``, with the ``role`` the caller waits on):
 - ``publish`` (learner: exporting the weights; rollout: handing them to the
   rollout side, or a producer loading them);
 - ``save`` (checkpoint): the checkpoint after a step;
-- ``restore`` (learner): an overlapped run bringing a lost learner back.
+- ``restore`` (learner): an overlapped run bringing a lost learner back;
+  (checkpoint): a NaN rollback loading the last good checkpoint;
+- ``start`` (placement): an overlapped run starting its rollout workers (on
+  Ray: the cluster, placement group and actors).
+
+Between phases the loop does its own work (advantages, logging, step-end
+observers); a watcher calls that ``loop`` (role driver).
 
 What this is not: the watchdog that acts on the beats (rlctl.ops.recovery),
 or a profiler (phase timings are metrics, rlctl.engine.metrics).

@@ -18,11 +18,11 @@ loop. It
   to open;
 - evaluates the runbooks' triggers over a sliding window after every step
   (live alerts: shown in the progress display, recorded as ``alert`` events);
-- runs a watchdog thread when ``faults.watchdog_timeout_s`` > 0: the loops
-  (synchronous and overlapped) beat their phases through ``heartbeat``; a
-  phase that makes no progress for that long is reported by role and phase
-  with a faulthandler stack dump of every thread (``hang`` event) and the run
-  stops with ``HangError`` instead of hanging.
+- runs the watchdog (rlctl.ops.watchdog) when ``faults.watchdog_timeout_s``
+  > 0: the loops (synchronous and overlapped) beat their phases through
+  ``heartbeat``; a phase that makes no progress for that long is reported by
+  role and phase with a faulthandler stack dump of every thread (``hang``
+  event) and the run stops with ``HangError`` instead of hanging.
 
 What this is not: the loop (rlctl.engine.loop), the fault kinds (plugins), or
 the recoveries that live in the roles themselves (OOM in the learner, verifier
@@ -31,26 +31,21 @@ retries and group drops in rlctl.engine.scoring / batching).
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.ops.triggers import History
+from rlctl.ops.watchdog import HangError, Watchdog
 
 ALERT_WINDOW = 40  # steps of history the live alerts look at
 
 
 class NanRollback(Exception):
     """Raised from the step observer: K NaN steps in a row, roll back before the next step."""
-
-
-class HangError(RoleError):
-    """A role made no progress within faults.watchdog_timeout_s."""
 
 
 class RunGuard:
@@ -232,6 +227,12 @@ class RunGuard:
             except NanRollback as stop:
                 with self.heartbeat.phase("restore", "checkpoint"):
                     first = self._roll_back(int(stop.args[0]), int(stop.args[1]), checkpointer)
+            except BaseException as err:
+                if self.watchdog is not None and self.watchdog.fired and not isinstance(err, HangError):
+                    # the watchdog's HangError can surface mangled when its signal lands inside C code (in a
+                    # Ray call it became a SystemError): report the hang, keep what surfaced as the cause
+                    raise self.watchdog.error() from err
+                raise
 
     def _last_good(self, before: int) -> tuple[str, Any, list[str]]:
         """The newest committed checkpoint taken before step ``before`` (the streak's first NaN step) that loads.
@@ -364,138 +365,3 @@ class _Alerts:
                 self.registry.add_event(self.run_id, "alert", message, {
                     "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})
         self.active = now
-
-
-class Watchdog:
-    """Reports a phase of the loop that makes no progress within ``timeout_s`` (role, phase, stacks), then stops the run.
-
-    The loops beat through it (it is the run's ``Heartbeat``,
-    rlctl.engine.heartbeat): ``with watchdog.phase("train", "learner"): ...``
-    around every call that can block on a role, in the synchronous loop and in
-    the overlapped driver alike, so the phases are the same whatever objects a
-    placement swapped in behind ``session.rollout`` / ``session.learner`` (a
-    worker pool, a Ray actor handle). The timer runs on the driver thread (the
-    one that started the watchdog and runs the loop): entering or leaving a
-    phase there is progress; between phases the driver is in ``loop`` (role
-    driver: advantages, logging, step-end observers), before its first phase
-    in ``start``. A hang is the driver spending ``timeout_s`` in one phase.
-
-    Beats from other threads (the overlapped run's rollout producers) never
-    reset the timer; they only record what each thread is doing. Producers
-    keep generating and grading while the learner trains -- that is what
-    overlapping is for -- so if their beats counted as progress, a learner
-    stuck in ``train`` would go unreported for as long as they have work (and
-    a grader stuck in one producer would be masked by the others). The
-    producers matter only when the driver waits for them: in a phase opened
-    with ``waits_for_threads`` (the driver waiting for a batch of
-    trajectories, ``generate`` / rollout) the report names the producer phase
-    that has been open longest (``generate`` / rollout for a stuck rollout
-    call, ``score`` / reward for a stuck grader, ``publish`` / rollout for a
-    stuck weight load) and its thread, or the driver's own phase when no
-    producer is inside a call. So the timeout bounds one driver phase: the
-    wait for a batch must fit in it as one rollout call does in a sync run.
-
-    On a timeout the watchdog thread dumps every thread's stack
-    (faulthandler), calls ``on_hang(phase, role, thread, idle_s, stack)`` and
-    raises HangError in the main thread (through a signal, so a blocking
-    call there is interrupted too).
-    """
-
-    def __init__(self, timeout_s: float, on_hang: Callable[[str, str, str, float, str], str]) -> None:
-        self.timeout_s = timeout_s
-        self.on_hang = on_hang
-        self._driver_ident = threading.get_ident()
-        self._driver = _Phase("start", "driver", threading.current_thread().name)
-        self._others: dict[int, _Phase] = {}  # thread ident -> the phase it is in (producer threads)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._message = ""
-        self._thread = threading.Thread(target=self._watch, name="rlctl-watchdog", daemon=True)
-        self._main = threading.main_thread().ident
-        self._previous_handler: Any = None
-
-    @contextlib.contextmanager
-    def phase(self, name: str, role: str, *, waits_for_threads: bool = False) -> Iterator[None]:
-        """The calling thread is in phase ``name``, waiting on ``role``, until the block ends."""
-        me, thread = threading.get_ident(), threading.current_thread().name
-        entered = _Phase(name, role, thread, waits_for_threads)
-        if me != self._driver_ident:  # a producer: recorded, never progress (see the class docstring)
-            with self._lock:
-                self._others[me] = entered
-            try:
-                yield
-            finally:
-                with self._lock:
-                    self._others.pop(me, None)
-            return
-        outer, self._driver = self._driver, entered
-        try:
-            yield
-        finally:
-            self._driver = _Phase("loop", "driver", thread) if outer.name == "start" else outer.again()
-
-    def start(self) -> None:
-        """Start watching the calling thread (it runs the loop); a HangError interrupts it if it is the main one."""
-        import signal
-
-        self._driver_ident = threading.get_ident()
-        self._driver = self._driver.again()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main)
-        self._thread.start()
-
-    def _culprit(self, driver: _Phase) -> _Phase:
-        """The driver's phase, or when it waits for other threads, the longest-open phase of one of them."""
-        if not driver.waits_for_threads:
-            return driver
-        with self._lock:
-            others = sorted(self._others.values(), key=lambda p: p.since)
-        return others[0] if others else driver
-
-    def _watch(self) -> None:
-        import faulthandler
-        import signal
-        import tempfile
-
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            driver = self._driver
-            idle = time.monotonic() - driver.since
-            if idle < self.timeout_s:
-                continue
-            culprit = self._culprit(driver)
-            with tempfile.TemporaryFile("w+") as buf:
-                faulthandler.dump_traceback(file=buf, all_threads=True)
-                buf.seek(0)
-                stack = buf.read()
-            self._message = self.on_hang(culprit.name, culprit.role, culprit.thread, idle, stack)
-            if self._main is not None and self._previous_handler is not None:
-                signal.pthread_kill(self._main, signal.SIGUSR1)
-            return
-
-    def _raise_in_main(self, signum: int, frame: Any) -> None:
-        raise HangError(self._message or "the watchdog found no progress",
-                        "see `rlctl runbook show hang`; the stack dump is in the hang event (`rlctl runs show RUN`)")
-
-    def stop(self) -> None:
-        import signal
-
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGUSR1, self._previous_handler)
-            self._previous_handler = None
-
-
-class _Phase:
-    """Where one thread is: phase and role, since when (monotonic), and whether it waits for other threads."""
-
-    __slots__ = ("name", "role", "thread", "waits_for_threads", "since")
-
-    def __init__(self, name: str, role: str, thread: str, waits_for_threads: bool = False) -> None:
-        self.name, self.role, self.thread, self.waits_for_threads = name, role, thread, waits_for_threads
-        self.since = time.monotonic()
-
-    def again(self) -> "_Phase":
-        """The same phase, entered now (the driver is back in it after an inner phase)."""
-        return _Phase(self.name, self.role, self.thread, self.waits_for_threads)

@@ -1,4 +1,4 @@
-"""The hang watchdog's timer: only the driver thread's phases are progress; what a waiting driver's report names.
+"""The hang watchdog: only the driver thread's phases are progress; what a waiting driver's report names.
 
 The loops beat through the watchdog as their Heartbeat (rlctl.engine.heartbeat);
 here the phases are opened by hand, on the test's main thread (the driver) and on
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rlctl.engine.heartbeat import NO_HEARTBEAT
-from rlctl.ops.recovery import HangError, Watchdog
+from rlctl.ops.watchdog import HangError, Watchdog
 
 
 def _watch(reports: list[tuple[str, str, str]]) -> Watchdog:
