@@ -14,7 +14,9 @@ handler produces the real failure, never a log line that pretends one:
   (sample, attempt) pairs the call of one reward component (``target``, by
   default the first: the verifier) at ``verifier.score`` raises
   ``TimeoutError`` (after ``delay_s``) or ``RuntimeError``; the reward mix
-  records them as ``timeout:`` / ``grader_error:`` error codes.
+  records them as ``timeout:`` / ``grader_error:`` error codes. Attempts are
+  counted per sample; a sample that comes in already failed (a re-score in
+  another process than its first call) counts as at least its second attempt.
 - ``bad-checkpoint``: right after a checkpoint is committed
   (``checkpoint.committed``), truncates or bit-flips one of its files.
 - ``learner-crash``: SIGKILLs the process at ``learner.train_step`` (mid-step).
@@ -131,7 +133,10 @@ class _VerifierFault:
                 hit.append(grader)  # default target: the first reward component (the verifier)
             if trajectory is None or grader != hit[0] or not ctx.in_window():
                 return value
-            n = attempts[trajectory.id] = attempts.get(trajectory.id, 0) + 1
+            # a sample that arrives already failed is a retry even when its first call ran in another process
+            # (a reward actor, then the driver's fresh grader): it must not draw its first attempt's coin again
+            seen = attempts.get(trajectory.id, 1 if trajectory.reward_error is not None else 0)
+            n = attempts[trajectory.id] = seen + 1
             if ctx.chance(f"{trajectory.id}/{n}"):
                 ctx.num_fired += 1
                 if self.options.delay_s:

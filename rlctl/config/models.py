@@ -316,15 +316,18 @@ class ClusterConfig(_Strict):
     )
     rollout_num_cpus: float = Field(0.5, gt=0, description="ray only: CPUs requested per rollout worker actor.")
     rollout_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested per rollout worker actor.")
-    learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor.")
-    learner_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested by the learner actor.")
+    learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor (a sharded "
+                                    "learner: by each of its world_size rank actors).")
+    learner_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested by the learner actor (a sharded "
+                                    "learner: by each rank actor; 1 gives each rank its own GPU).")
     reward_num_cpus: float = Field(0.0, ge=0, description="ray only: CPUs requested per reward actor "
                                    "(reward.workers > 1); 0 = scheduled beside the reserved bundles.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="ray only: placement-group strategy for the learner and worker bundles."
     )
     max_restarts: int = Field(
-        3, ge=0, description="Restarts allowed per rollout worker (and for the learner) before the run fails."
+        3, ge=0, description="Restarts allowed per rollout worker (and for the learner, or each rank of a sharded "
+        "learner, all of which restart together) before the run fails."
     )
 
 

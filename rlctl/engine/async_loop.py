@@ -8,6 +8,17 @@ the groups into the TrajectoryQueue (acknowledged once on disk). The learner,
 on the calling thread, takes B groups, trains, publishes weights, logs, and
 checkpoints together with the queue cursor.
 
+Grader failures follow the synchronous loop's policy: the producer re-scores a
+sample whose grader timed out or crashed with a fresh grader up to
+``verifier_retries`` times (rlctl.engine.scoring.rescore_failed; a verdict
+such as ``invalid_reward`` is not retried), before the group goes into the
+queue, so retries never hold up the learner. A group still holding a sample
+without a reward is dropped whole when the learner takes it (recorded in the
+ledger as dropped, counted in ``groups_dropped``), never scored 0 or trained
+partially; each step reports ``verifier_fail_frac``, ``verifier_retries`` and
+``verifier_recovered`` for the samples the producers scored since the previous
+step's report (whichever step later trains them).
+
 The three modes differ only in how far rollout may run ahead (``max_ahead``):
 sync 0 (batch s is generated with version s, so Δv = 0), one_step_off 1
 (batch s+1 is generated while the learner trains on batch s), async
@@ -58,7 +69,7 @@ from rlctl.engine.batching import build_batch, group_rewards
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.metrics import _quantile, step_metrics
 from rlctl.engine.queue import DROP_REASONS, Group, QueueError, QueueTimeout, TrajectoryQueue
-from rlctl.engine.scoring import score_all
+from rlctl.engine.scoring import rescore_failed, retryable, score_all
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -112,6 +123,7 @@ class AsyncSpec:
     truncation_penalty: float | None = 0.0
     max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
     critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
+    verifier_retries: int = 0  # re-score a timed-out / crashed sample with a fresh grader up to N times
 
     @property
     def max_ahead(self) -> int:
@@ -144,7 +156,7 @@ class AsyncSpec:
                    log_every=config.train.log_every, kl_coef=a.kl.coef, kl_estimator=a.kl.estimator,
                    kl_placement=a.kl.placement, normalize_std=a.normalize_std,
                    truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
-                   critic_warmup_steps=a.critic.warmup_steps)
+                   critic_warmup_steps=a.critic.warmup_steps, verifier_retries=config.faults.verifier_retries)
 
 
 class WeightBoard:
@@ -188,6 +200,10 @@ class _Counters:
     rollout_wait_s: float = 0.0
     worker_failures: int = 0
     requeued: int = 0
+    scored_samples: int = 0  # grader accounting of the producers (rescore_failed), read as deltas per step
+    verifier_failed: int = 0  # samples whose first grader call timed out or crashed
+    verifier_retries: int = 0
+    verifier_recovered: int = 0
 
 
 class WorkerPool:
@@ -256,6 +272,7 @@ class AsyncDriver:
         self.ledger = Ledger(queue_dir / "ledger.jsonl")
         self.board = WeightBoard()
         self.counters = _Counters()
+        self._graded_reported = (0, 0, 0, 0)  # the producers' grader counters up to the last step's metrics
         self._claim_lock = threading.Lock()
         self._score_lock = threading.Lock()
         self._requeue: deque[int] = deque()  # keys to reserve again (lost in flight before a resume)
@@ -376,10 +393,8 @@ class AsyncDriver:
         if len(trajectories) != g * len(keys):
             raise RoleError(f"a rollout worker returned {len(trajectories)} trajectories for {len(keys)} prompts "
                             f"x {g} samples", "the rollout backend must return group_size samples per request")
-        pool = self.session.reward_pool  # reward.workers > 1: processes (local) or actors (Ray)
-        with self._score_lock if pool is not None else contextlib.nullcontext(), self.beat("score", "reward"):
-            scored, _ = score_all(trajectories, self._answers, self.session.reward, self.spec.truncation_penalty,
-                                  pool=pool)
+        with self.beat("score", "reward"):  # grading, the pool's turn and the retries included
+            scored = self._score(trajectories)
         groups = []
         now = time.time()
         for i, key in enumerate(keys):
@@ -390,6 +405,26 @@ class AsyncDriver:
         with self.counters.lock:
             self.counters.generated_tokens += sum(t.num_response_tokens for t in trajectories)
             self.counters.latencies.extend([latency] * len(keys))
+
+    def _score(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        """Score on this producer thread, then re-score timed-out / crashed samples as the synchronous loop does.
+
+        The retries use a fresh in-process grader (``session.reward_factory``),
+        not the pool, so they never wait for the pool's lock.
+        """
+        s = self.session
+        pool = s.reward_pool  # reward.workers > 1: processes (local) or actors (Ray)
+        with self._score_lock if pool is not None else contextlib.nullcontext():  # one producer drives the pool
+            scored, _ = score_all(trajectories, self._answers, s.reward, self.spec.truncation_penalty, pool=pool)
+        failed = sum(1 for t in scored if retryable(t.reward_error))
+        scored, stats = rescore_failed(scored, self._answers, s.reward_factory or (lambda: s.reward),
+                                       self.spec.verifier_retries, self.spec.truncation_penalty)
+        with self.counters.lock:
+            self.counters.scored_samples += len(scored)
+            self.counters.verifier_failed += failed
+            self.counters.verifier_retries += int(stats["verifier_retries"])
+            self.counters.verifier_recovered += int(stats["verifier_recovered"])
+        return scored
 
     # -- learner --------------------------------------------------------------------
 
@@ -481,7 +516,7 @@ class AsyncDriver:
         import torch
 
         from rlctl.algo.importance import lag_divergence, truncated_is_weights
-        from rlctl.engine.estimation import estimate
+        from rlctl.engine.estimation import estimate, unscorable_batch
 
         s, spec = self.session, self.spec
         t0 = time.perf_counter()
@@ -499,7 +534,15 @@ class AsyncDriver:
             raise RoleError(f"step {step} has no trajectory group left to train on (dropped: {taken.drops})",
                             "raise staleness.queue_ttl_s or staleness.max_staleness")
         t1 = time.perf_counter()
-        groups, rewards, valid, no_signal = self._signal(taken.groups)  # rewards, valid: [B', G]
+        # a group with a sample still unscored after the producer's retries is dropped whole, as in the sync loop
+        scorable: list[Group] = []
+        unscored: list[Group] = []
+        for group in taken.groups:
+            (unscored if any(t.reward_error is not None for t in group.trajectories) else scorable).append(group)
+        lost = [t for g in unscored for t in g.trajectories]
+        if not scorable:
+            raise unscorable_batch(lost, spec.verifier_retries)
+        groups, rewards, valid, no_signal = self._signal(scorable)  # rewards, valid: [B', G]
         kept_ids = {g.group_id for g in groups}
         staleness = [dv for g, dv in zip(taken.groups, taken.staleness) if g.group_id in kept_ids]
         scored = [t for g in groups for t in g.trajectories]
@@ -546,19 +589,25 @@ class AsyncDriver:
         self.queue.set_version(update.version)
         t3 = time.perf_counter()
         self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],
-                           "dropped": taken.dropped_ids + no_signal, "weighted": taken.weighted,
+                           "dropped": taken.dropped_ids + [g.group_id for g in unscored] + no_signal,
+                           "weighted": taken.weighted,
                            "staleness": staleness})
         with self.counters.lock:
             generated = self.counters.generated_tokens - tokens0
             rollout_wait = (self.counters.rollout_wait_s - wait0) / max(1, len(self.workers))
             latencies = list(self.counters.latencies)
             failures, requeued = self.counters.worker_failures, self.counters.requeued
+            now_graded = self._graded()
+        graded = [now - before for now, before in zip(now_graded, self._graded_reported)]
+        self._graded_reported = now_graded  # the next step reports from here: every scored sample counts once
         wall = t3 - t0
         metrics = step_metrics(scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
                                advantages=advantages.abs().sum(-1),
                                verify_latencies=[], learner_version=update.version,
                                times={"T_r": t1 - t0, "T_v": 0.0, "T_l": t2 - t1, "T_s": t3 - t2},
-                               trained_version=version)
+                               trained_version=version, dropped=lost, group_size=spec.group_size)
+        metrics.update(verifier_fail_frac=graded[1] / graded[0] if graded[0] else 0.0,
+                       verifier_retries=float(graded[2]), verifier_recovered=float(graded[3]))
         metrics.update(overlap_metrics(staleness=[dv for dv in staleness for _ in range(spec.group_size)],
                                        dlag=dlag, latencies=latencies, bound=spec.staleness_bound))
         stats = self.queue.stats()
@@ -578,6 +627,11 @@ class AsyncDriver:
         for reason in DROP_REASONS:
             metrics[f"queue_drops_{reason}"] = float(stats.drops[reason])
         return metrics
+
+    def _graded(self) -> tuple[int, int, int, int]:
+        """The producers' grader counters (samples, first-call failures, retries, recovered); hold counters.lock."""
+        c = self.counters
+        return c.scored_samples, c.verifier_failed, c.verifier_retries, c.verifier_recovered
 
     def _signal(self, taken: Sequence[Group]) -> tuple[list[Group], Any, Any, list[str]]:
         """Shaped rewards of the taken groups, less those the estimator filters out (DAPO's zero-signal groups).

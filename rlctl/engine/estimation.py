@@ -120,13 +120,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
             else:
                 dropped += 1
     if not rewards and last is None:
-        codes: dict[str, int] = {}
-        for t in unscored:
-            if t.reward_error is not None:
-                codes[t.reward_error] = codes.get(t.reward_error, 0) + 1
-        shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
-        raise RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries "
-                        f"with a fresh grader ({shown}; none scored 0)", "see `rlctl runbook show verifier-timeouts`")
+        raise unscorable_batch(unscored, verifier_retries)
     seen: list[Trajectory] = []
     if not rewards:  # no group with signal in any round: an empty batch (the loop skips the update), never a
         seen = last[0]  # batch of all-equal groups (zero advantages, but the optimizer's momentum would still move)
@@ -144,6 +138,21 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     metrics.update(verify_stats)
     return SampledGroups(scored=kept, rewards=r_all, valid=v_all, verify_latencies=latencies,
                          num_generated_tokens=generated, times=times, metrics=metrics, unscored=unscored, seen=seen)
+
+
+def unscorable_batch(unscored: Sequence[Trajectory], verifier_retries: int) -> RoleError:
+    """The error that stops a run when every group of a step was dropped for a sample the grader could not score.
+
+    One message for the synchronous and the overlapped loop, naming the most
+    common error codes.
+    """
+    codes: dict[str, int] = {}
+    for t in unscored:
+        if t.reward_error is not None:
+            codes[t.reward_error] = codes.get(t.reward_error, 0) + 1
+    shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
+    return RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries "
+                     f"with a fresh grader ({shown}; none scored 0)", "see `rlctl runbook show verifier-timeouts`")
 
 
 @dataclass

@@ -100,6 +100,46 @@ def test_verifier_timeouts_are_retried_then_whole_groups_dropped_and_counted(_rl
     assert [e for e in reg.events(run_id) if e.kind == "alert" and e.data["runbook"] == "verifier-timeouts"]
 
 
+def test_overlapped_run_re_scores_failed_grader_calls_on_the_producer_like_the_sync_loop(_rlctl_home, tmp_path,
+                                                                                        monkeypatch):
+    """mode=async: a timed-out grader call is re-scored with a fresh grader (faults.verifier_retries) before its
+    group is queued; a group still failing is dropped whole and counted under the sync loop's metric names; the
+    trajectory audit finds nothing lost or trained twice (the dropped groups are in the ledger)."""
+    from rlctl.engine.async_loop import audit
+    from rlctl_faults import kinds
+
+    injected: list[str] = []
+
+    class CountedTimeout(TimeoutError):  # every injected grader failure, first calls and retries alike
+        def __init__(self, *args: object) -> None:
+            injected.append(str(args[0]) if args else "")
+            super().__init__(*args)
+
+    monkeypatch.setattr(kinds.VerifierTimeout, "error", CountedTimeout)
+    steps = 4
+    result, reg, run_dir = _train(_rlctl_home, tmp_path, "vt-async", "mode=async", f"train.steps={steps}",
+                                  "faults.verifier_retries=2", "faults.inject=[{kind: verifier-timeout, rate: 0.3}]")
+    assert result.run.status == "succeeded"
+    m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
+    assert sorted({s for s, name in m if name == "reward_mean"}) == list(range(steps))
+
+    def total(name: str) -> float:
+        return sum(m[(s, name)] for s in range(steps))
+
+    assert any(m[(s, "verifier_fail_frac")] > 0 for s in range(steps))
+    assert total("verifier_recovered") > 0 and total("verifier_retries") >= total("verifier_recovered")
+    assert any("attempt 2" in message for message in injected)  # a retry reached the (faulty) grader again
+    for step in range(steps):  # only whole groups are missing: none scored 0, none trained partially
+        assert m[(step, "reward_error_count")] == m[(step, "groups_dropped")] * 4
+    assert total("reward_error_count") < len(injected)  # re-scoring recovered most failed samples
+    retried = _events(reg, run_dir, "verifier_retry")
+    assert retried and sum(e.data["recovered"] for e in retried) == total("verifier_recovered")
+    assert sum(e.data["groups_dropped"] for e in _events(reg, run_dir, "groups_dropped")) == total("groups_dropped")
+    report = audit(run_dir / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.steps == steps
+    assert report.trained == total("groups_trained") and report.dropped >= total("groups_dropped")
+
+
 def test_nan_steps_are_skipped_then_rolled_back_with_lower_lr_and_a_canary(_rlctl_home, tmp_path):
     result, reg, run_dir = _train(_rlctl_home, tmp_path, "nan", "train.steps=6", "checkpoint.every_steps=2",
                                   "checkpoint.async_save=false", "faults.nan_rollback_after=2",

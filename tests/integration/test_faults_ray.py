@@ -52,8 +52,9 @@ def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_a
     """The run's faults reach the actors' processes: an OOM and a SIGKILL in the learner actor, a straggler in
     a rollout actor, grader errors in the reward actors. Each fires once per step across all processes, and
     each ends in its recovery: the OOM retried with a smaller micro-batch (its report comes back from the
-    actor), the killed learner restarted and restored from the newest checkpoint, failed grader calls counted
-    as errors, and the trajectory audit finds nothing lost or trained twice."""
+    actor), the killed learner restarted and restored from the newest checkpoint, failed grader calls re-scored
+    with a fresh grader (whole groups dropped past the retries), and the trajectory audit finds nothing lost or
+    trained twice."""
     from rlctl.engine.async_loop import audit
 
     steps = 5
@@ -77,8 +78,12 @@ def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_a
     [restart] = _events(reg, run_dir, "learner_restarted")
     assert restart.data["restarts"] == 1
     m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
-    # the graders failed inside the reward actors: error codes, never scores (overlapped runs do not re-score)
-    assert sum(v for (_, name), v in m.items() if name == "reward_error_count") > 0
+    # the graders failed inside the reward actors; the producer re-scored those samples with a fresh grader
+    # (faults.verifier_retries, as the sync loop does), and a group still failing is dropped whole, never scored 0
+    total = {name: sum(v for (_, n), v in m.items() if n == name)
+             for name in ("verifier_retries", "verifier_recovered", "reward_error_count", "groups_dropped")}
+    assert total["verifier_recovered"] > 0 and total["verifier_retries"] >= total["verifier_recovered"], total
+    assert total["reward_error_count"] == 4 * total["groups_dropped"], total
     assert sorted({s for s, name in m if name == "reward_mean"}) == list(range(steps))
     assert m[(steps - 1, "learner_restarts")] == 1 and m[(steps - 1, "micro_batch_size")] == 8
     report = audit(run_dir / "queue")

@@ -119,6 +119,32 @@ def test_a_verdict_is_not_retried() -> None:
     assert stats["verifier_retries"] == 0
 
 
+def test_a_retry_in_another_process_does_not_redraw_the_first_attempts_verifier_fault() -> None:
+    """A reward actor's grader failed a sample; the driver re-scores it with a fresh grader: that is attempt 2
+    (its own coin), not attempt 1 again (which would fail deterministically, whatever the rate)."""
+    from rlctl_faults.kinds import VerifierError
+
+    def context() -> FaultContext:
+        return FaultContext(kind="verifier-error", at_step=0, count=None, rate=0.5, target=None, options=None,
+                            seed=0, step=lambda: 0, record=lambda message, data: None)
+
+    coin = context()
+    first = next(t for t in (_traj(f"p{i}", 0) for i in range(200))
+                 if coin.chance(f"{t.id}/1") and not coin.chance(f"{t.id}/2"))
+    disarm = VerifierError().arm(context())  # the reward actor's process
+    try:
+        with pytest.raises(RuntimeError, match="attempt 1"):
+            fault_site("verifier.score", trajectory=first, grader="math")
+    finally:
+        disarm()
+    disarm = VerifierError().arm(context())  # the driver's process: it never saw the first attempt
+    try:
+        retried = first.updated(reward_error="grader_error:math")
+        assert fault_site("verifier.score", 7, trajectory=retried, grader="math") == 7
+    finally:
+        disarm()
+
+
 def test_jsonl_sink_rewrites_steps_re_run_in_the_same_process(tmp_path) -> None:
     import json
 
