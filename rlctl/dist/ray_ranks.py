@@ -142,13 +142,18 @@ class RayRanks:
     remote = True
 
     def __init__(self, cluster: Any, make_rank: Any, label: str, ctx: LearnerContext, options: Any) -> None:
+        gpus = cluster.learner_num_gpus
+        if ctx.device.startswith("cuda") and gpus < 1:
+            raise ConfigError(f"train.device is {ctx.device!r} but each {label} rank actor is given "
+                              f"cluster.learner_num_gpus={gpus:g}: a rank needs a GPU of its own (NCCL cannot put "
+                              "two ranks on one device)",
+                              "set cluster.learner_num_gpus=1, or train.device=cpu")
         self.label, self.options, self.world = label, options, options.world_size
         self._faults: Any = None
         self._broken: str | None = None
         self._restarted = False  # the ranks were restarted: only a restore (or accepting their initial state) runs
         self._closed = False
         self._started = connect(cluster)
-        gpus = cluster.learner_num_gpus
         bundle = {"CPU": cluster.learner_num_cpus, **({"GPU": gpus} if gpus else {})}
         self.pg = reserve([dict(bundle) for _ in range(self.world)], cluster.placement_strategy, self._started)
         threads = max(1, int(cluster.learner_num_cpus))
