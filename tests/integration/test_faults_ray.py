@@ -6,6 +6,9 @@ Proven by the run's registry events and counters and by the trajectory
 ledger's audit (nothing lost, nothing trained twice). This test found a
 deadlock: a producer waiting at the admission gate held the claim lock that
 the dead worker's producer needed to give its prompts back.
+
+Also: the hang watchdog names the learner when the driver's call into the
+learner actor blocks while the rollout actors keep working.
 """
 
 from __future__ import annotations
@@ -134,3 +137,24 @@ def test_faults_injected_into_the_running_run_fire_inside_the_live_learner_actor
     assert [m[(s, "micro_batch_size")] for s in range(steps)] == [16, 16, 8, 8, 4]
     report = audit(run_dir / "queue")
     assert report.lost == () and report.double_counted == 0
+
+
+def test_watchdog_names_the_learner_actor_call_that_hangs(ray_cluster, _rlctl_home, tmp_path, monkeypatch):
+    """On Ray the session's learner is a RayLearner swapped in after the guard started; the driver's call into
+    it blocks (patched here) while the rollout actors keep generating: the hang names the learner, not a step
+    end or a rollout. The timeout leaves room for the actors to come up (the first weight export waits for it)."""
+    import time
+
+    from rlctl.dist.ray import RayLearner
+    from rlctl.ops.recovery import HangError
+
+    def stuck(self, batch):
+        time.sleep(300)  # interrupted by the watchdog's HangError
+
+    monkeypatch.setattr(RayLearner, "train_step_with_logprobs", stuck)
+    err, reg, run_dir = _train(
+        _rlctl_home, tmp_path, "ray-hang", "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
+        "cluster.learner_num_cpus=0.5", "mode=async", "faults.watchdog_timeout_s=30", expect_error=True)
+    assert isinstance(err, HangError)
+    [hang] = _events(reg, run_dir, "hang")
+    assert (hang.data["role"], hang.data["phase"], hang.data["thread"]) == ("learner", "train", "MainThread")
