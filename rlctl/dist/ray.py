@@ -548,6 +548,25 @@ def _wait_alive(actor: Any, what: str) -> None:
                     "check the cluster's free resources with `ray status`")
 
 
+def _started(actors: Sequence[tuple[str, Any]]) -> None:
+    """Wait until every actor's constructor has run (it loads a model), so start-up is the placement's phase and
+    an actor that cannot start is one RoleError naming it, not a restart loop inside the first step."""
+    refs = {actor.pid.remote(): name for name, actor in actors}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=READY_TIMEOUT_S)
+    if pending:
+        names = ", ".join(refs[r] for r in pending)
+        raise RoleError(f"{names} did not start within {READY_TIMEOUT_S:.0f}s",
+                        "check the cluster's free resources with `ray status` and the actors' logs under the Ray "
+                        "session directory")
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except _LOST as err:  # its constructor raised: Ray's message ends with that error's own line
+            lines = [line.strip() for line in (getattr(err, "error_msg", None) or str(err)).splitlines()]
+            raise RoleError(f"{refs[ref]} failed to start: {next((x for x in reversed(lines) if x), '?')}",
+                            "see the actor's log under the Ray session directory") from None
+
+
 class StoredWeights(Mapping[str, Any]):
     """The state dict of a WeightUpdate that lives in Ray's object store, not in the driver.
 
@@ -756,6 +775,8 @@ class RayPlacement:
                                              max_restarts=max(cfg.max_restarts, 1), faults=faults)
             session.reward_pool = self.reward_pool
         self.relay.rearm = self._rearm
+        starting = [("the learner actor", self.learner_actor)] if self.learner_actor is not None else []
+        _started(starting + [(f"rollout worker ray-{i}", a) for i, a in enumerate(self.actors)])
 
     def _rearm(self) -> dict[Any, str]:
         """Every live actor arms the broker's plan again (a fault was armed mid-run). The learner (its actor or

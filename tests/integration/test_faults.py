@@ -240,25 +240,14 @@ def test_watchdog_names_the_rollout_when_an_overlapped_driver_waits_for_trajecto
 
 
 def test_watchdog_names_the_learner_when_it_hangs_while_producers_keep_beating(_rlctl_home, tmp_path):
-    """The learner's train call blocks (a handler at its fault site); producer beats do not reset the timer."""
-    import threading
-    import time
-
-    from rlctl.engine.faults import arm
+    """A slow-learner fault blocks the learner's train call; producer beats do not reset the timer."""
     from rlctl.ops.recovery import HangError
 
-    def stuck(value, **_):
-        if threading.current_thread() is threading.main_thread():
-            time.sleep(120)  # interrupted by the watchdog's HangError
-        return value
-
-    disarm = arm("learner.train_step", stuck)
-    try:
-        # 5 s: the first batch, generated before the learner is reached, must fit in it on a loaded machine
-        err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-learner", *OVERLAPPED,
-                                   "faults.watchdog_timeout_s=5", expect_error=True)
-    finally:
-        disarm()
+    # 5 s: the first batch, generated before the learner is reached, must fit in it on a loaded machine
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-learner", *OVERLAPPED,
+                               "faults.watchdog_timeout_s=5",  # the learner sleeps 120 s, interrupted by the hang
+                               "faults.inject=[{kind: slow-learner, at_step: 0, options: {delay_s: 120}}]",
+                               expect_error=True)
     assert isinstance(err, HangError) and "role learner" in str(err)
     [hang] = _events(reg, run_dir, "hang")
     assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("learner", "train", 0)
