@@ -54,6 +54,63 @@ def test_drops_compares_adjacent_window_means() -> None:
     assert f is not None and "0.6 -> 0.2" in f.detail
 
 
+def test_a_longer_baseline_is_the_reference_mean_before_the_window() -> None:
+    t = Trigger(id="d", when="drops", metric="m", by_ratio=0.3, window=2, baseline=4, summary="s")
+    assert "mean of 2 steps vs the 4 before" in t.describe()
+    assert evaluate(t, hist(m=[1.0, 1.0, 1.0, 0.6, 0.6])) is None  # only 3 steps before the window: not evaluated
+    f = evaluate(t, hist(m=[1.0, 1.2, 0.8, 1.0, 0.6, 0.6]))  # mean 1.0 of steps 0-3 -> 0.6: -40%
+    assert f is not None and f.windows == ((4, 5),) and "1 -> 0.6" in f.detail and "steps 0-5" in f.detail
+    assert evaluate(t, hist(m=[1.0, 1.2, 0.8, 1.0, 0.8, 0.8])) is None  # -20%
+
+
+# Entropy per step of the quickstart (configs/quickstart.yaml, seed 0, 100 GRPO steps, lr 2e-5): a healthy run.
+# The old entropy-jump rule (2 steps vs the 2 before, +15%) fired on it at step 27 (0.468 -> 0.545): noise.
+QUICKSTART_SEED0_ENTROPY = [
+    0.501, 0.536, 0.516, 0.554, 0.516, 0.480, 0.486, 0.545, 0.481, 0.547, 0.500, 0.536, 0.526, 0.456, 0.516, 0.561,
+    0.548, 0.518, 0.513, 0.565, 0.605, 0.545, 0.532, 0.487, 0.475, 0.462, 0.533, 0.556, 0.488, 0.547, 0.495, 0.518,
+    0.482, 0.577, 0.539, 0.526, 0.506, 0.509, 0.488, 0.522, 0.513, 0.505, 0.539, 0.540, 0.526, 0.545, 0.468, 0.517,
+    0.503, 0.509, 0.460, 0.507, 0.502, 0.456, 0.510, 0.519, 0.531, 0.501, 0.538, 0.511, 0.505, 0.529, 0.487, 0.534,
+    0.483, 0.474, 0.484, 0.522, 0.485, 0.524, 0.525, 0.492, 0.511, 0.469, 0.455, 0.503, 0.490, 0.571, 0.532, 0.558,
+    0.532, 0.548, 0.429, 0.512, 0.448, 0.535, 0.513, 0.536, 0.534, 0.521, 0.501, 0.564, 0.523, 0.472, 0.482, 0.479,
+    0.487, 0.516, 0.488, 0.518]
+# The same warm start at lr 2e-3 (100x): a real collapse (reward 0.31 -> 0.10, every group's rewards equal by step 12).
+COLLAPSE_LR_2E3_ENTROPY = [
+    0.501, 0.501, 0.487, 0.525, 0.455, 0.352, 0.425, 0.434, 0.342, 0.302, 0.295, 0.277, 0.243, 0.207, 0.182, 0.177,
+    0.121, 0.242, 0.185, 0.195]
+
+
+def _entropy_firings(values: list[float]) -> dict[str, object]:
+    book = {b.name: b for b in load_runbooks(REPO / "runbooks")}["instability"]
+    triggers = [t for t in book.triggers if t.metric == "entropy"]
+    assert {t.id for t in triggers} == {"entropy-jump", "entropy-collapse"}
+    return {t.id: f for t in triggers if (f := evaluate(t, hist(entropy=values))) is not None}
+
+
+def test_entropy_triggers_stay_silent_on_the_quickstarts_noise() -> None:
+    old = Trigger(id="old", when="rises", metric="entropy", by_ratio=0.15, window=2, summary="s")
+    assert evaluate(old, hist(entropy=QUICKSTART_SEED0_ENTROPY)) is not None  # the false positive this replaces
+    assert _entropy_firings(QUICKSTART_SEED0_ENTROPY) == {}
+
+
+def test_entropy_triggers_fire_on_a_real_collapse_and_a_real_jump() -> None:
+    collapse = _entropy_firings(COLLAPSE_LR_2E3_ENTROPY)
+    assert set(collapse) == {"entropy-collapse"} and collapse["entropy-collapse"].windows[0][0] <= 12
+    healthy = QUICKSTART_SEED0_ENTROPY[:30]
+    jump = _entropy_firings(healthy + [1.4 * v for v in healthy[:5]])  # randomised: +40% from step 30 on
+    assert set(jump) == {"entropy-jump"} and jump["entropy-jump"].windows[0][0] == 30
+    # a slow, steady 30% drift over 30 steps is a trend for the reward curves, not a live collapse alert
+    assert _entropy_firings([0.5 * (1 - 0.01 * i) for i in range(30)]) == {}
+
+
+def test_the_live_alerts_keep_enough_history_for_every_shipped_trigger() -> None:
+    from rlctl.ops.recovery import ALERT_WINDOW
+
+    for book in load_runbooks(REPO / "runbooks"):
+        for t in book.triggers:
+            need = t.window + (t.baseline or t.window) if t.when in ("rises", "drops") else t.window
+            assert need <= ALERT_WINDOW, f"{book.name}/{t.id} needs {need} steps; live alerts keep {ALERT_WINDOW}"
+
+
 def test_falls_steadily_and_occurs() -> None:
     t = Trigger(id="f", when="falls_steadily", metric="tps", by_ratio=0.4, window=5, summary="s")
     assert evaluate(t, hist(tps=[100, 90, 80, 70, 50])) is not None
@@ -68,6 +125,7 @@ def test_falls_steadily_and_occurs() -> None:
     ({"id": "a", "when": "occurs", "summary": "s"}, "needs `event"),
     ({"id": "a", "when": "drops", "metric": "m", "summary": "s"}, "needs `by`"),
     ({"id": "a", "when": "sometimes", "metric": "m", "summary": "s"}, "when"),
+    ({"id": "a", "when": "above", "metric": "m", "threshold": 1, "baseline": 5, "summary": "s"}, "rises/drops only"),
 ])
 def test_bad_triggers_are_refused_with_the_rule(raw: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
