@@ -73,7 +73,16 @@ QUICKSTART_SEED0_ENTROPY = [
     0.483, 0.474, 0.484, 0.522, 0.485, 0.524, 0.525, 0.492, 0.511, 0.469, 0.455, 0.503, 0.490, 0.571, 0.532, 0.558,
     0.532, 0.548, 0.429, 0.512, 0.448, 0.535, 0.513, 0.536, 0.534, 0.521, 0.501, 0.564, 0.523, 0.472, 0.482, 0.479,
     0.487, 0.516, 0.488, 0.518]
-# The same warm start at lr 2e-3 (100x): a real collapse (reward 0.31 -> 0.10, every group's rewards equal by step 12).
+# Seed 3 (`run.seed=3`: its own warm start, entropy 0.65 with a 9.8% step-to-step spread): healthy, noisier.
+QUICKSTART_SEED3_ENTROPY = [
+    0.666, 0.613, 0.619, 0.718, 0.566, 0.780, 0.633, 0.698, 0.750, 0.687, 0.680, 0.591, 0.680, 0.637, 0.569, 0.625,
+    0.617, 0.568, 0.598, 0.673, 0.796, 0.583, 0.638, 0.738, 0.650, 0.538, 0.673, 0.699, 0.604, 0.722, 0.711, 0.655,
+    0.774, 0.653, 0.567, 0.596, 0.607, 0.675, 0.586, 0.634, 0.506, 0.646, 0.661, 0.735, 0.591, 0.685, 0.607, 0.621,
+    0.604, 0.663, 0.643, 0.673, 0.776, 0.603, 0.679, 0.644, 0.721, 0.554, 0.670, 0.557, 0.494, 0.643, 0.581, 0.633,
+    0.661, 0.660, 0.621, 0.575, 0.670, 0.832, 0.680, 0.700, 0.649, 0.521, 0.602, 0.607, 0.560, 0.562, 0.604, 0.657,
+    0.644, 0.594, 0.623, 0.648, 0.670, 0.699, 0.765, 0.663, 0.682, 0.691, 0.686, 0.663, 0.597, 0.602, 0.691, 0.687,
+    0.736, 0.637, 0.607, 0.718]
+# Seed 0's warm start at lr 2e-3 (100x): a real collapse (reward 0.31 -> 0.10, every group's rewards equal by step 12).
 COLLAPSE_LR_2E3_ENTROPY = [
     0.501, 0.501, 0.487, 0.525, 0.455, 0.352, 0.425, 0.434, 0.342, 0.302, 0.295, 0.277, 0.243, 0.207, 0.182, 0.177,
     0.121, 0.242, 0.185, 0.195]
@@ -88,8 +97,9 @@ def _entropy_firings(values: list[float]) -> dict[str, object]:
 
 def test_entropy_triggers_stay_silent_on_the_quickstarts_noise() -> None:
     old = Trigger(id="old", when="rises", metric="entropy", by_ratio=0.15, window=2, summary="s")
-    assert evaluate(old, hist(entropy=QUICKSTART_SEED0_ENTROPY)) is not None  # the false positive this replaces
-    assert _entropy_firings(QUICKSTART_SEED0_ENTROPY) == {}
+    for healthy in (QUICKSTART_SEED0_ENTROPY, QUICKSTART_SEED3_ENTROPY):
+        assert evaluate(old, hist(entropy=healthy)) is not None  # the false positive this replaces
+        assert _entropy_firings(healthy) == {}
 
 
 def test_entropy_triggers_fire_on_a_real_collapse_and_a_real_jump() -> None:
