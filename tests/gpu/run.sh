@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks (never in CI: no GPU there). Needs one CUDA GPU and the project's venv with the bench and ray extras
-# (pip install -e '.[dev,bench]'); downloads nothing: every model is built from a config with random weights.
+# (pip install -e '.[dev,bench,ray]'); downloads nothing: every model is built from a config with random weights.
 # Budget: at most 8 minutes on one GPU (an estimate: this script has not been run on a GPU yet, see README).
 #   1. pytest -m gpu tests/gpu: cuda placement and fp32 reconciliation, bf16 on GPU with fp32 optimizer state
 #      and the bf16 reconciliation, FSDP2 with NCCL on one GPU (train, sharded checkpoint, reload, export),
