@@ -193,3 +193,23 @@ def test_a_healthy_history_has_no_findings() -> None:
     h = hist(reward_mean=[0.1 + 0.01 * i for i in range(10)], clip_fraction=[0.1] * 10,
              response_length_mean=[4.0] * 10, nan_inf_skipped_steps=[0] * 10)
     assert diagnose("r", h, load_runbooks(REPO / "runbooks")).findings == ()
+
+
+def test_a_live_alert_flickering_at_its_bound_is_one_report_until_it_has_been_quiet():
+    """A trigger that fires, falls silent for a step or two and fires again is the same episode (one warning, one
+    alert event); after REALERT_AFTER quiet steps, or when the run went back to an earlier step, it is new."""
+    from types import SimpleNamespace
+
+    from rlctl.ops.recovery import REALERT_AFTER, _Alerts
+
+    events, warnings = [], []
+    registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: events.append(data["step"]))
+    alerts = _Alerts(registry, "r", warnings.append, start_step=0)
+    trigger = Trigger(id="hot", when="above", metric="x", threshold=1.0, window=1, summary="x is high")
+    alerts.books = [SimpleNamespace(name="book", triggers=[trigger])]
+    hot = {2, 3, 5, 7, 8, 8 + REALERT_AFTER + 1}
+    for step in range(8 + REALERT_AFTER + 2):
+        alerts.observe(step, {"x": 2.0 if step in hot else 0.0}, [])
+    assert events == [2, 8 + REALERT_AFTER + 1] and len(warnings) == 2
+    alerts.observe(3, {"x": 2.0}, [])  # rolled back to step 3: a new episode
+    assert events[-1] == 3
