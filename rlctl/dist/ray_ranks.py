@@ -104,14 +104,16 @@ class RankActor:
             raise ActorReset(f"learner rank {self.rank} was restarted and holds its initial state")
 
     def call(self, name: str, *args: Any) -> Any:
+        """Run ``name`` on this rank; only rank 0's result travels back (the driver uses no other)."""
         if name == "load_shards":  # the restore itself: what a restarted rank waits for
             if self.me is None:
                 raise ActorReset(f"learner rank {self.rank} was restarted and has not joined its group")
-            out = self.me.load_shards(*args)
+            self.me.load_shards(*args)
             self.reset = False
-            return out
+            return None
         self._check()
-        return getattr(self.me, name)(*args)
+        out = getattr(self.me, name)(*args)
+        return out if self.rank == 0 else None
 
     def get(self, name: str) -> Any:
         self._check()
