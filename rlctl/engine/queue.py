@@ -37,8 +37,11 @@ cursor, so ``restore_cursor`` rebuilds them.
 Back-pressure: a producer ``reserve``s a slot (with the group's draw key)
 before generating; reservations plus buffered groups never exceed
 ``capacity``, and a key more than ``max_ahead`` steps ahead of the learner's
-version waits. ``put`` of an unreserved group blocks (or, with ``block=False``,
-raises ``QueueFull``) while the queue is full.
+version waits (``set_version``; the overlapped driver passes its step count
+instead in the in-order modes, whose ``key_below`` counts steps too, so that a
+step leaving the policy as it was still admits the next batch). ``put`` of an
+unreserved group blocks (or, with ``block=False``, raises ``QueueFull``) while
+the queue is full.
 
 Compaction: ``compact(below_seq)`` deletes whole segments below the oldest
 kept checkpoint's watermark (the overlapped driver calls it after a checkpoint
@@ -401,7 +404,7 @@ class TrajectoryQueue:
     # -- producer side -----------------------------------------------------------------
 
     def set_version(self, version: int) -> None:
-        """The learner's current policy version (wakes producers waiting on ``max_ahead``)."""
+        """The learner's position for admission (wakes producers waiting on ``max_ahead``); see the module docstring."""
         with self._cond:
             self._version = version
             self._cond.notify_all()

@@ -248,6 +248,21 @@ def test_ppo_with_a_critic_trains_overlapped(plugins, _rlctl_home, tmp_path, tin
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
 
 
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_critic_warmup_steps_still_admit_the_next_batch(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode):
+    """A warm-up step trains only the critic (the policy version stays); rollout is admitted by steps, not versions."""
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=ppo", "algo.critic.warmup_steps=1", f"mode={mode}",
+                          "train.steps=3", "staleness.take_timeout_s=60")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2] and all(m["groups_trained"] == 4 for _, m in rows)
+    assert session.learner.policy_version == 2  # step 0 left the policy as it was
+    assert all(m["staleness_max"] <= (0 if mode == "sync" else 1) for _, m in rows)
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 12
+
+
 def test_dapo_filters_groups_without_signal_and_refuses_refills(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
     from rlctl.contracts.errors import ConfigError
     from rlctl.engine.async_loop import audit
