@@ -307,7 +307,7 @@ class TrajectoryQueue:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._compacted = Compacted.load(self.directory)
         self._replay()
-        self._mark_resolved(self._compacted.keys())  # everything in the log is pending until a cursor says otherwise
+        self._mark_compacted_resolved()  # everything in the log is pending until a cursor says otherwise
 
     # -- recovery --------------------------------------------------------------------
 
@@ -375,7 +375,7 @@ class TrajectoryQueue:
                     "own directory")
             self._pending = {}
             self._key_floor, self._keys_above = 0, set()
-            self._mark_resolved(self._compacted.keys())
+            self._mark_compacted_resolved()
             self._replay_pending(watermark, resolved)
             self._drops = {r: int(cursor.get("drops", {}).get(r, 0)) for r in DROP_REASONS}
             self._cond.notify_all()
@@ -581,6 +581,16 @@ class TrajectoryQueue:
         done = {k for k in self._keys_above if k < key_below}
         done.update(g.key for g in taking if self._key_floor <= g.key < key_below)
         return len(done) >= key_below - self._key_floor
+
+    def _mark_compacted_resolved(self) -> None:
+        """Compacted keys are resolved (compaction stays below every kept cursor); by range, not key by key."""
+        for lo, hi in self._compacted.ranges:
+            if lo <= self._key_floor:
+                self._key_floor = max(self._key_floor, hi + 1)
+                self._keys_above = {k for k in self._keys_above if k >= self._key_floor}
+                self._mark_resolved(())  # absorb resolved keys the new floor reaches
+            else:
+                self._mark_resolved(range(lo, hi + 1))
 
     def _mark_resolved(self, keys: Iterable[int]) -> None:
         self._keys_above.update(k for k in keys if k >= self._key_floor)
