@@ -370,7 +370,7 @@ def test_any_truncation_recovers_a_prefix(tmp_path_factory, n, cut, flip):
     data = seg.read_bytes()
     at = int(cut * len(data))
     tail = bytearray(data[:at])
-    if flip and at > 0 and at < len(data):
+    if flip and 0 < at < len(data) and at not in ends:  # a cut on a record's end leaves no torn part to garble
         tail[-1] ^= 0x55  # garbage in the torn part
     seg.write_bytes(bytes(tail))
     q2 = TrajectoryQueue(root)
