@@ -21,6 +21,8 @@ handler produces the real failure, never a log line that pretends one:
   (``checkpoint.committed``), truncates or bit-flips one of its files.
 - ``learner-crash``: SIGKILLs the process at ``learner.train_step`` (mid-step).
 - ``slow-rollout``: sleeps ``delay_s`` inside the rollout call (a straggler).
+- ``slow-learner``: sleeps ``delay_s`` inside the learner's train step (in the
+  learner actor or a rank actor under Ray).
 - ``worker-crash``: SIGKILLs a rollout server process (an ``rlctl serve
   rollout`` behind the ``sglang`` backend, found by the pid it reports, on
   this host only) at ``rollout.dispatch``, after the health check and before
@@ -214,17 +216,26 @@ class SlowRolloutOptions(_Options):
 class SlowRollout:
     """The rollout call of each faulted step takes ``delay_s`` longer (a straggler)."""
 
+    site, role = "rollout.generate", "rollout"
+
     def __init__(self, options: SlowRolloutOptions | None = None) -> None:
         self.options = options or SlowRolloutOptions()
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
         def handler(value: Any, **_: Any) -> Any:
             if ctx.take():
-                ctx.fire(f"rollout straggles for {self.options.delay_s:g}s")
+                ctx.fire(f"{self.role} straggles for {self.options.delay_s:g}s")
                 time.sleep(self.options.delay_s)
             return value
 
-        return arm("rollout.generate", handler)
+        return arm(self.site, handler)
+
+
+class SlowLearner(SlowRollout):
+    """The learner's train step of each faulted step takes ``delay_s`` longer (a throttled or hung learner: what
+    the watchdog must name as the learner, also when rollout threads or actors keep working meanwhile)."""
+
+    site, role = "learner.train_step", "learner"
 
 
 class WorkerCrashOptions(_Options):

@@ -18,7 +18,7 @@ from rlctl_faults import kinds
 @hookimpl
 def register_faults(register: Callable[..., None]) -> None:
     """Register nan, oom, verifier-timeout, verifier-error, bad-checkpoint, learner-crash, slow-rollout,
-    worker-crash, network-partition, weight-sync-failure."""
+    slow-learner, worker-crash, network-partition, weight-sync-failure."""
     register("nan", kinds.NanFault, options=kinds.NanOptions)
     register("oom", kinds.OomFault, options=kinds.OomOptions)
     register("verifier-timeout", kinds.VerifierTimeout, options=kinds.VerifierOptions)
@@ -26,6 +26,7 @@ def register_faults(register: Callable[..., None]) -> None:
     register("bad-checkpoint", kinds.BadCheckpoint, options=kinds.BadCheckpointOptions)
     register("learner-crash", kinds.LearnerCrash, options=None)
     register("slow-rollout", kinds.SlowRollout, options=kinds.SlowRolloutOptions)
+    register("slow-learner", kinds.SlowLearner, options=kinds.SlowRolloutOptions)
     register("worker-crash", kinds.WorkerCrash, options=kinds.WorkerCrashOptions)
     register("network-partition", kinds.NetworkPartition, options=kinds.PartitionOptions)
     register("weight-sync-failure", kinds.WeightSyncFailure, options=kinds.WeightSyncOptions)

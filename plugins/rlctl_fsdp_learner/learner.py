@@ -358,6 +358,7 @@ class RankGroup:
         launch = ctx.rank_launcher or LocalRanks
         self.ranks = launch(type(self).make_rank, self.label, replace(ctx, rank_launcher=None), self.options)
         self.device = self.ranks.device
+        self._reference = bool(self.ranks.get0("has_reference"))  # rank 0 holds the unsharded reference model
         atexit.register(self.close)  # the learner contract has no close: leave the group when the run's process exits
 
     def _run(self, name: str, *args: Any) -> Any:
@@ -386,10 +387,8 @@ class RankGroup:
         return self.ranks.call0("ref_logprobs", batch)  # the unsharded reference lives on rank 0 only
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
-        if batch.ref_logprobs is None:
-            ref = self.ref_logprobs(batch)  # None when the loss needs no reference
-            if ref is not None:
-                batch = replace(batch, ref_logprobs=ref)
+        if self._reference and batch.ref_logprobs is None:
+            batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
         return batch
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:

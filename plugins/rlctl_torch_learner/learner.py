@@ -126,6 +126,11 @@ class TorchLearner:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return torch.cat([self._forward(self.model, mb)[0] for mb in self._micro_batches(batch)]).cpu()
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss needs reference log-probs (``algo.kl.coef`` > 0), so ``ref_logprobs`` is not None."""
+        return self.reference is not None
+
     @torch.no_grad()
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.reference is None:

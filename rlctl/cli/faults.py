@@ -12,7 +12,7 @@ from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry
 
 
 def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, "
-                                     "bad-checkpoint, learner-crash, slow-rollout, worker-crash, "
+                                     "bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
                                      "network-partition, weight-sync-failure (`rlctl plugins list`)."),
            config: Optional[Path] = typer.Argument(None, help="Start a new run of this config with the fault."),
            overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=20."),

@@ -11,9 +11,12 @@ What this is not: the loop itself or run bookkeeping (rlctl.ops.train).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rlctl.contracts.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlctl.engine.heartbeat import Heartbeat
 
 
 def needs_overlap(config: Any) -> bool:
@@ -23,9 +26,16 @@ def needs_overlap(config: Any) -> bool:
 
 def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[Any],
                    observer: Callable[[int, Mapping[str, float]], None] | None = None, start_step: int = 0,
-                   checkpoint: Any = None, store: Any = None) -> dict[str, float]:
-    """Run ``session`` with the placement its config names; ``store`` lets a lost learner be restored in-run."""
+                   checkpoint: Any = None, store: Any = None,
+                   heartbeat: "Heartbeat | None" = None) -> dict[str, float]:
+    """Run ``session`` with the placement its config names; ``store`` lets a lost learner be restored in-run.
+
+    ``heartbeat`` (rlctl.engine.heartbeat) is told of the placement's start and
+    of the driver's and producers' phases, whatever placement stands behind the
+    session's roles.
+    """
     from rlctl.engine.async_loop import AsyncDriver, AsyncSpec, WorkerPool
+    from rlctl.engine.heartbeat import NO_HEARTBEAT
 
     config = session.config
     rounds = session.estimator.max_sample_rounds
@@ -38,18 +48,14 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
             "set algo.options.max_sample_rounds=1 (groups without signal are dropped, counted in "
             "ds_dropped_groups, and the step trains on the rest), or train with mode=sync cluster.backend=local")
     spec = AsyncSpec.from_config(config)
-    if config.cluster.backend == "ray":
-        from rlctl.dist.ray import RayPlacement
-
-        placement: Any = RayPlacement(session, plugins)
-    else:
-        from rlctl.dist.local import LocalPlacement
-
-        placement = LocalPlacement(session, plugins)
+    heartbeat = heartbeat or NO_HEARTBEAT
+    with heartbeat.phase("start", "placement"):  # a Ray cluster, its placement group and actors coming up
+        placement = _placement(session, plugins)
     try:
         workers = placement.workers()
         driver = AsyncDriver(session, spec, workers, directory / "queue",
-                             recover=_recover(session, store) if store is not None else None, store=store)
+                             recover=_recover(session, store) if store is not None else None, store=store,
+                             heartbeat=heartbeat)
         local_rollout = session.rollout
         session.rollout = WorkerPool(workers, driver.board)
         try:
@@ -59,6 +65,16 @@ def run_overlapped(session: Any, plugins: Any, directory: Path, sinks: Sequence[
             session.queue = None
     finally:
         placement.close()
+
+
+def _placement(session: Any, plugins: Any) -> Any:
+    if session.config.cluster.backend == "ray":
+        from rlctl.dist.ray import RayPlacement
+
+        return RayPlacement(session, plugins)
+    from rlctl.dist.local import LocalPlacement
+
+    return LocalPlacement(session, plugins)
 
 
 def _recover(session: Any, store: Any) -> Callable[[], int]:

@@ -22,12 +22,17 @@ and restarted, the sample gets ``error_code="timeout"``), and up to
 ``reward.retries`` new attempts when an actor dies mid-sample. With one worker
 the built-in rewards (microseconds per sample) are scored on the driver.
 
-Injected faults reach the actors: the run's armed faults (``faults.inject``,
-rlctl.engine.faults.armed_plan) are passed to every actor's constructor and
-armed again in its process, so ``learner.*`` faults fire in the learner
-actor, ``rollout.generate`` in the rollout actors and ``verifier.score`` in
-the reward actors (an actor Ray restarts re-arms them from the same
-constructor arguments). A ``FaultBroker`` actor is the arbiter of all of them:
+Injected faults reach the actors: a ``FaultBroker`` actor holds the run's
+plan (its armed faults, rlctl.engine.faults.armed_plan), every actor arms that
+plan in its own process when it starts, so ``learner.*`` faults fire in the
+learner actor, ``rollout.generate`` in the rollout actors and
+``verifier.score`` in the reward actors. A fault armed while the run trains
+(``rlctl inject --run RUN``: the run guard publishes it at a step end) is
+added to the broker's plan and every live actor arms the plan again
+(``arm``): the learner before the driver goes on, a rollout or reward actor
+before its next call (Ray runs one caller's calls to an actor in order). An
+actor Ray restarts arms the broker's plan as it is then, live-armed faults
+included. The broker is also the arbiter of all of them:
 it holds the driver's step (pushed by the run guard on every change, before
 the next step starts) and each fault's fired steps, so a step fires once
 across the driver and every actor (``FaultContext.take`` claims it there,
@@ -64,7 +69,8 @@ from rlctl.contracts.types import (
 )
 from rlctl.engine.async_loop import LearnerLost, WorkerLost
 from rlctl.engine.faults import (
-    ArmedFault, FaultContext, arm_plan, armed_plan, fault_site, forward_recoveries, on_step, report_recovery,
+    ArmedFault, FaultContext, arm_plan, armed_plan, fault_site, forward_recoveries, on_publish, on_step,
+    report_recovery,
 )
 
 _LOST = (RayActorError, ActorUnavailableError)
@@ -78,20 +84,27 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def _arm_faults(faults: Any, plugins: Any = None) -> Callable[[], None]:
-    """Arm the run's faults (``(plan, claims)`` from _FaultRelay.spec) in this actor's process, and send its
-    recovery reports (``report_recovery``) to the driver through the same broker; return the disarm."""
+_plugins: Any = None  # this actor process's plugin registry, loaded once for arming faults
+
+
+def _arm_faults(faults: "_BrokerClaims | None", plugins: Any = None) -> Callable[[], None]:
+    """Arm the run's faults in this actor's process: the broker's plan as it is now (``faults`` is the
+    placement's _BrokerClaims; None: no faults), and send its recovery reports (``report_recovery``) to the
+    driver through the same broker; return the disarm."""
+    global _plugins
     if faults is None:
         return lambda: None
-    plan, claims = faults
-    forward_recoveries(claims.recovered)
+    plan = faults.plan()
+    forward_recoveries(faults.recovered)
     if not plan:
         return lambda: forward_recoveries(None)
     if plugins is None:
-        from rlctl.hooks.manager import load_plugins
+        if _plugins is None:
+            from rlctl.hooks.manager import load_plugins
 
-        plugins = load_plugins()
-    disarm = arm_plan(plan, claims, lambda f: plugins.build("fault", f.kind, f.options, f.where))
+            _plugins = load_plugins()
+        plugins = _plugins
+    disarm = arm_plan(plan, faults, lambda f: plugins.build("fault", f.kind, f.options, f.where))
 
     def undo() -> None:
         disarm()
@@ -102,15 +115,26 @@ def _arm_faults(faults: Any, plugins: Any = None) -> Callable[[], None]:
 
 @ray.remote
 class FaultBroker:
-    """The arbiter of the run's faults across processes: the driver's step and each fault's fired steps.
+    """The arbiter of the run's faults across processes: the run's plan, the driver's step and each fault's
+    fired steps.
 
     Ray runs one method at a time on an actor, so ``claim`` is atomic.
     """
 
-    def __init__(self, step: int, fired: dict[int, set[int]]) -> None:
+    def __init__(self, step: int, fired: dict[int, set[int]], plan: Sequence[ArmedFault] = ()) -> None:
         self._step, self._fired = step, {i: set(steps) for i, steps in fired.items()}
+        self._plan = {fault.index: fault for fault in plan}
         self._events: list[tuple[int, str, dict[str, Any]]] = []
         self._recoveries: list[tuple[str, str, dict[str, Any]]] = []
+
+    def plan(self) -> list[ArmedFault]:
+        """Every fault of the run armed so far, by index: what an actor arms when it (re)starts or re-arms."""
+        return [self._plan[i] for i in sorted(self._plan)]
+
+    def add(self, fault: ArmedFault, fired: set[int]) -> None:
+        """A fault the driver armed mid-run (``fired``: the steps it already fired at)."""
+        self._plan[fault.index] = fault
+        self._fired.setdefault(fault.index, set()).update(fired)
 
     def step(self) -> int:
         return self._step
@@ -166,6 +190,9 @@ class _BrokerClaims:
             self._broker = ray.get_actor(self.name)
         return self._broker
 
+    def plan(self) -> list[ArmedFault]:
+        return ray.get(self.broker.plan.remote())
+
     def step(self) -> int:
         return ray.get(self.broker.step.remote())
 
@@ -182,32 +209,78 @@ class _BrokerClaims:
         ray.get(self.broker.recovered.remote(kind, message, data))
 
 
+def _armed(who: str, ref: Any, timeout: float | None) -> None:
+    """Wait for an actor's ``arm`` call; a lost actor is fine (restarted, it arms the broker's plan), any other
+    failure is a RoleError naming the actor."""
+    try:
+        ray.get(ref, timeout=timeout)
+    except _LOST:
+        pass
+    except GetTimeoutError:
+        raise RoleError(f"{who} did not arm a fault injected into the running run within {timeout:.0f}s",
+                        "check the cluster's free resources with `ray status`; `rlctl resume` continues the run "
+                        "from its last checkpoint") from None
+    except Exception as err:  # noqa: BLE001 - the actor's own error, named with the actor
+        cause = getattr(err, "cause", None) or err
+        raise RoleError(f"{who} could not arm a fault injected into the running run: {type(cause).__name__}: "
+                        f"{cause}", "check the fault's options (`rlctl inject --help`); the actor's log is under "
+                        "the Ray session directory") from None
+
+
 class _FaultRelay:
     """Driver side of the FaultBroker: binds the driver's fault contexts to it, records the actors' firings
-    and passes their recovery reports on to this process's ``report_recovery``."""
+    and passes their recovery reports on to this process's ``report_recovery``.
+
+    ``claims`` is what the actors get (``faults``): they arm the broker's plan through it. A fault the driver
+    publishes while the relay lives is added to that plan, and ``rearm`` (set by the placement once its actors
+    run) makes the live actors arm it; it returns the refs of re-arms not waited for, checked at each ``sync``.
+    """
 
     def __init__(self, plan: list[tuple[ArmedFault, FaultContext]]) -> None:
         self.contexts = {fault.index: ctx for fault, ctx in plan}
         step = plan[0][1].step() if plan else 0
         name = f"rlctl-faults-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.broker = FaultBroker.options(name=name, num_cpus=0, max_restarts=0).remote(
-            step, {i: set(ctx.fired_steps) for i, ctx in self.contexts.items()})
+            step, {i: set(ctx.fired_steps) for i, ctx in self.contexts.items()}, [fault for fault, _ in plan])
         self.claims = _BrokerClaims(name, self.broker)
-        self.spec = ([fault for fault, _ in plan], self.claims)
         for ctx in self.contexts.values():
             ctx.share(self.claims)
-        self._lock = threading.Lock()
-        self._remove = on_step(self.sync)
+        self.rearm: Callable[[], dict[Any, str]] | None = None
+        self._arming: dict[Any, str] = {}  # re-arm refs in flight -> the actor's name
+        self._lock = threading.RLock()
+        self._removers = [on_step(self.sync), on_publish(self._published)]
+
+    def _published(self, fault: ArmedFault, ctx: FaultContext) -> None:
+        """The driver armed ``fault`` mid-run: the broker's plan gets it, then every live actor arms it."""
+        with self._lock:
+            self.contexts[fault.index] = ctx
+            ctx.share(self.claims)
+            self._broker_call(self.broker.add.remote(fault, set(ctx.fired_steps)))
+            if self.rearm is not None:
+                self._arming.update(self.rearm())
+
+    def _broker_call(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=READY_TIMEOUT_S)
+        except (*_LOST, GetTimeoutError) as err:
+            raise RoleError(f"the run's fault broker actor is gone ({type(err).__name__}): injected faults "
+                            "and the actors' recovery reports can no longer be recorded",
+                            "resume the run with `rlctl resume`; check the Ray session's logs for why the "
+                            "actor died") from None
+
+    def _check_arming(self) -> None:
+        """Raise the error of a finished re-arm; a lost actor is fine (restarted, it arms the broker's plan)."""
+        if not self._arming:
+            return
+        done, _ = ray.wait(list(self._arming), num_returns=len(self._arming), timeout=0)
+        for ref in done:
+            who = self._arming.pop(ref)
+            _armed(who, ref, None)
 
     def sync(self, step: int | None = None) -> None:
         with self._lock:
-            try:
-                events, recoveries = ray.get(self.broker.sync.remote(step), timeout=READY_TIMEOUT_S)
-            except (*_LOST, GetTimeoutError) as err:
-                raise RoleError(f"the run's fault broker actor is gone ({type(err).__name__}): injected faults "
-                                "and the actors' recovery reports can no longer be recorded",
-                                "resume the run with `rlctl resume`; check the Ray session's logs for why the "
-                                "actor died") from None
+            self._check_arming()
+            events, recoveries = self._broker_call(self.broker.sync.remote(step))
             for index, message, data in events:
                 ctx = self.contexts.get(index)
                 if ctx is not None:
@@ -216,7 +289,9 @@ class _FaultRelay:
                 report_recovery(kind, message, data)
 
     def close(self) -> None:
-        self._remove()
+        for remove in self._removers:
+            remove()
+        self.rearm, self._arming = None, {}  # the actors are gone: a re-arm they did not finish is moot
         try:
             self.sync()
         except RoleError:
@@ -274,10 +349,15 @@ class RolloutActor:
         _threads(threads)
         from rlctl.hooks.manager import load_plugins
 
-        plugins = load_plugins()
-        _arm_faults(faults, plugins)
-        self.backend = plugins.build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+        self.plugins = load_plugins()
+        self._disarm = _arm_faults(faults, self.plugins)  # the broker's plan now: a restart gets live-armed faults
+        self.backend = self.plugins.build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
         self.reset = _reconstructed()  # refuses to generate until the driver loads the current weights
+
+    def arm(self, faults: Any) -> None:
+        """Arm the broker's plan again (a fault was armed while the run trains); None disarms every fault."""
+        self._disarm()
+        self._disarm = _arm_faults(faults, self.plugins)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         if self.reset:  # killed while idle: Ray restarted it silently and queued this call for the new process
@@ -302,9 +382,9 @@ class LearnerActor:
         _threads(threads)
         from rlctl.hooks.manager import load_plugins
 
-        plugins = load_plugins()
-        _arm_faults(faults, plugins)
-        self.learner = plugins.build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
+        self.plugins = load_plugins()
+        self._disarm = _arm_faults(faults, self.plugins)  # the broker's plan now: a restart gets live-armed faults
+        self.learner = self.plugins.build("learner_backend", learner, options, "train.learner_options", ctx=ctx)
         # A restart (Ray re-runs this constructor) serves nothing until the driver restores it: a learner
         # killed between calls would otherwise answer the next call silently from its initial state.
         self.reset = _reconstructed()
@@ -345,6 +425,11 @@ class LearnerActor:
         """The driver restores a restarted learner to the run's start (no checkpoint yet): its initial state."""
         self.reset = False
 
+    def arm(self, faults: Any) -> None:
+        """Arm the broker's plan again (a fault was armed while the run trains); None disarms every fault."""
+        self._disarm()
+        self._disarm = _arm_faults(faults, self.plugins)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -355,8 +440,13 @@ class RewardActor:
 
     def __init__(self, factory: Callable[[], Any], faults: Any = None) -> None:
         _threads(1)
-        _arm_faults(faults)
+        self._disarm = _arm_faults(faults)  # the broker's plan now: a restart gets live-armed faults
         self.reward = factory()
+
+    def arm(self, faults: Any) -> None:
+        """Arm the broker's plan again (a fault was armed while the run trains); None disarms every fault."""
+        self._disarm()
+        self._disarm = _arm_faults(faults)
 
     def version(self) -> str:
         return self.reward.version
@@ -456,6 +546,25 @@ def _wait_alive(actor: Any, what: str) -> None:
             time.sleep(0.5)
     raise RoleError(f"{what} did not come back within {READY_TIMEOUT_S:.0f}s",
                     "check the cluster's free resources with `ray status`")
+
+
+def _started(actors: Sequence[tuple[str, Any]]) -> None:
+    """Wait until every actor's constructor has run (it loads a model), so start-up is the placement's phase and
+    an actor that cannot start is one RoleError naming it, not a restart loop inside the first step."""
+    refs = {actor.pid.remote(): name for name, actor in actors}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=READY_TIMEOUT_S)
+    if pending:
+        names = ", ".join(refs[r] for r in pending)
+        raise RoleError(f"{names} did not start within {READY_TIMEOUT_S:.0f}s",
+                        "check the cluster's free resources with `ray status` and the actors' logs under the Ray "
+                        "session directory")
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except _LOST as err:  # its constructor raised: Ray's message ends with that error's own line
+            lines = [line.strip() for line in (getattr(err, "error_msg", None) or str(err)).splitlines()]
+            raise RoleError(f"{refs[ref]} failed to start: {next((x for x in reversed(lines) if x), '?')}",
+                            "see the actor's log under the Ray session directory") from None
 
 
 class StoredWeights(Mapping[str, Any]):
@@ -626,7 +735,7 @@ class RayPlacement:
         from dataclasses import replace
 
         cfg = self.cfg
-        faults = self.relay.spec
+        faults = self.relay.claims
         self.local_learner = session.learner
         config, s = session.config, session
         first = 0
@@ -665,6 +774,27 @@ class RayPlacement:
                                              retries=r.retries, num_cpus=cfg.reward_num_cpus,
                                              max_restarts=max(cfg.max_restarts, 1), faults=faults)
             session.reward_pool = self.reward_pool
+        self.relay.rearm = self._rearm
+        starting = [("the learner actor", self.learner_actor)] if self.learner_actor is not None else []
+        _started(starting + [(f"rollout worker ray-{i}", a) for i, a in enumerate(self.actors)])
+
+    def _rearm(self) -> dict[Any, str]:
+        """Every live actor arms the broker's plan again (a fault was armed mid-run). The learner (its actor or
+        its ranks) is idle at a step end and is waited for, so the fault is armed there before the next step;
+        rollout and reward actors arm before their next call. Returns those refs, by actor name."""
+        faults = self.relay.claims
+        if self.ranks is not None:
+            try:
+                self.ranks.arm(faults)
+            except LearnerLost:
+                pass  # the ranks were restarted and armed the broker's plan; the loop restores them next call
+        else:  # a lost learner actor restarts and arms the broker's plan; the loop sees the loss at its next call
+            _armed("the learner actor", self.learner_actor.arm.remote(faults), READY_TIMEOUT_S)
+        pending = {a.arm.remote(faults): f"rollout worker ray-{i}" for i, a in enumerate(self.actors)}
+        if self.reward_pool is not None:
+            pending.update({a.arm.remote(faults): f"reward worker {i}"
+                            for i, a in enumerate(self.reward_pool.actors)})
+        return pending
 
     def workers(self) -> list[RayWorker]:
         return [RayWorker(f"ray-{i}", a) for i, a in enumerate(self.actors)]

@@ -29,7 +29,9 @@ Failures:
   too, so a hung rank is reported, never waited on forever.
 
 The group lives as long as the session whose learner it is; each run's
-placement arms the run's faults in its ranks and disarms them when it closes
+placement arms the run's faults in its ranks, again when a fault is armed
+while the run trains (``rlctl inject --run RUN``) and after Ray restarts
+them (from the broker's plan as it is then), and disarms them when it closes
 (``arm``). This is one of the two modules of rlctl that import ray.
 
 What this is not: the ranks' maths (the learner plugins) or the rollout and
@@ -92,7 +94,8 @@ class RankActor:
         return str(self.me.device)
 
     def arm(self, faults: Any) -> None:
-        """Arm the run's faults here (``(plan, claims)`` from the placement's relay); None disarms them."""
+        """Arm the run's faults here: the plan of the placement's fault broker as it is now (``faults`` is the
+        relay's claims; None disarms them)."""
         self._disarm()
         self._disarm = _arm_faults(faults)
 
@@ -142,13 +145,18 @@ class RayRanks:
     remote = True
 
     def __init__(self, cluster: Any, make_rank: Any, label: str, ctx: LearnerContext, options: Any) -> None:
+        gpus = cluster.learner_num_gpus
+        if ctx.device.startswith("cuda") and gpus < 1:
+            raise ConfigError(f"train.device is {ctx.device!r} but each {label} rank actor is given "
+                              f"cluster.learner_num_gpus={gpus:g}: a rank needs a GPU of its own (NCCL cannot put "
+                              "two ranks on one device)",
+                              "set cluster.learner_num_gpus=1, or train.device=cpu")
         self.label, self.options, self.world = label, options, options.world_size
         self._faults: Any = None
         self._broken: str | None = None
         self._restarted = False  # the ranks were restarted: only a restore (or accepting their initial state) runs
         self._closed = False
         self._started = connect(cluster)
-        gpus = cluster.learner_num_gpus
         bundle = {"CPU": cluster.learner_num_cpus, **({"GPU": gpus} if gpus else {})}
         self.pg = reserve([dict(bundle) for _ in range(self.world)], cluster.placement_strategy, self._started)
         threads = max(1, int(cluster.learner_num_cpus))

@@ -44,6 +44,11 @@ checkpoint, including the queue cursor) and training continues from that
 step; the trajectory ledger records the rewind so an audit can rebuild the
 committed history.
 
+Progress: the learner thread and the producer threads beat through the
+run's ``heartbeat`` (rlctl.engine.heartbeat) around every call that can block
+on a role. The learner's wait for a batch is the phase ``generate`` (role
+rollout, waiting for threads: the producers generate and grade what it waits for).
+
 What this is not: placement (rlctl.dist builds the workers, in threads or as
 Ray actors) or run bookkeeping (rlctl.ops.train).
 """
@@ -65,6 +70,7 @@ from rlctl.contracts.errors import RoleError
 from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest, Trajectory, WeightUpdate
 from rlctl.engine.batching import build_batch, group_rewards
+from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.metrics import _quantile, step_metrics
 from rlctl.engine.queue import DROP_REASONS, Group, QueueError, QueueTimeout, TrajectoryQueue
 from rlctl.engine.scoring import rescore_failed, retryable, score_all
@@ -250,7 +256,8 @@ class AsyncDriver:
     """Owns the producer threads and the learner loop of one overlapped run."""
 
     def __init__(self, session: Any, spec: AsyncSpec, workers: Sequence[RolloutWorker], queue_dir: Path, *,
-                 recover: Recover | None = None, store: Any = None) -> None:
+                 recover: Recover | None = None, store: Any = None,
+                 heartbeat: Heartbeat = NO_HEARTBEAT) -> None:
         if spec.mode not in MODES:
             raise RoleError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
         if spec.capacity < spec.prompts_per_step:
@@ -259,6 +266,7 @@ class AsyncDriver:
                             "raise staleness.queue_capacity to at least algo.prompts_per_step")
         self.session, self.spec, self.workers = session, spec, list(workers)
         self.recover = recover
+        self.beat = heartbeat.phase  # the driver thread and every producer thread beat through it
         queue_dir.mkdir(parents=True, exist_ok=True)
         self.queue = TrajectoryQueue(queue_dir, capacity=spec.capacity, batch_groups=spec.prompts_per_step,
                                      max_ahead=spec.max_ahead, ttl_s=spec.queue_ttl_s,
@@ -343,10 +351,12 @@ class AsyncDriver:
                 generation, update = self.board.latest()
                 try:
                     if generation != loaded and update is not None:
-                        worker.load_weights(update)  # a (re)started worker serves only current weights
+                        with self.beat("publish", "rollout"):
+                            worker.load_weights(update)  # a (re)started worker serves only current weights
                         loaded = generation
                     started = time.perf_counter()
-                    trajectories = worker.generate([self._request(k) for k in keys])
+                    with self.beat("generate", "rollout"):
+                        trajectories = worker.generate([self._request(k) for k in keys])
                     latency = time.perf_counter() - started
                 except WorkerLost as err:
                     failures += 1
@@ -387,7 +397,8 @@ class AsyncDriver:
         if len(trajectories) != g * len(keys):
             raise RoleError(f"a rollout worker returned {len(trajectories)} trajectories for {len(keys)} prompts "
                             f"x {g} samples", "the rollout backend must return group_size samples per request")
-        scored = self._score(trajectories)
+        with self.beat("score", "reward"):  # grading, the pool's turn and the retries included
+            scored = self._score(trajectories)
         groups = []
         now = time.time()
         for i, key in enumerate(keys):
@@ -430,7 +441,8 @@ class AsyncDriver:
         s.queue = self.queue
         self._resume_keys()
         self.ledger.write({"start": start_step, "cursor": self.queue.cursor()})
-        self.board.publish(s.learner.export_weights())
+        with self.beat("publish", "learner"):
+            self.board.publish(s.learner.export_weights())
         self._admit(start_step, s.learner.policy_version)
         self._threads = [threading.Thread(target=self._produce, args=(w,), name=f"rollout-{w.name}", daemon=True)
                          for w in self.workers]
@@ -451,7 +463,8 @@ class AsyncDriver:
                 if checkpoint is not None:
                     self._watermarks[step + 1] = self.queue.cursor()["watermark"]  # what a checkpoint here holds
                     try:
-                        checkpoint.after_step(step + 1, metrics)
+                        with self.beat("save", "checkpoint"):
+                            checkpoint.after_step(step + 1, metrics)
                     except LearnerLost as err:
                         step = self._recover_learner(err)
                         continue
@@ -491,8 +504,9 @@ class AsyncDriver:
                                 f"({self.learner_restarts} restarts)", "resume the run from its newest checkpoint "
                                 "with `rlctl resume`") from None
             try:
-                step = self.recover()  # sets session.queue_cursor, publishes the restored weights via the pool
-                version = self.session.learner.policy_version
+                with self.beat("restore", "learner"):
+                    step = self.recover()  # sets session.queue_cursor, publishes the restored weights
+                    version = self.session.learner.policy_version
                 break
             except LearnerLost as again:  # it died again while being restored, or right after
                 err = again
@@ -520,7 +534,8 @@ class AsyncDriver:
             tokens0, wait0 = self.counters.generated_tokens, self.counters.rollout_wait_s
             self.counters.latencies = []
         key_below = (step + 1) * spec.prompts_per_step if spec.mode != "async" else None
-        taken = self._take(version, key_below)
+        with self.beat("generate", "rollout", waits_for_threads=True):  # the producers generate and grade it
+            taken = self._take(version, key_below)
         if self._error is not None:
             raise self._error
         if not taken.groups:
@@ -546,7 +561,8 @@ class AsyncDriver:
         # train_step_with_logprobs returns them from its training forward (no second pass, no second batch
         # transfer to a learner actor); the reweighted path needs them before the update, to build the batch.
         capture = getattr(s.learner, "train_step_with_logprobs", None) if trains_policy else None
-        prox = s.learner.logprobs(batch).float() if taken.weighted or capture is None else None
+        with self.beat("train", "learner"):
+            prox = s.learner.logprobs(batch).float() if taken.weighted or capture is None else None
         weight = torch.ones_like(batch.action_mask)  # [N, T]
         if taken.weighted:
             rows = [i for i, g in enumerate(groups) if g.group_id in set(taken.weighted)
@@ -563,17 +579,21 @@ class AsyncDriver:
         batch = replace(batch, advantages=advantages)
         learner_stats: dict[str, float] = {}
         if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
-            learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
-        if trains_policy and prox is None:
-            trained, before = capture(batch)
-            learner_stats.update(trained)
-            prox = before.float()
-        elif trains_policy:
-            learner_stats.update(s.learner.train_step(batch))
+            with self.beat("train", "critic"):
+                learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+        with self.beat("train", "learner"):
+            if trains_policy and prox is None:
+                trained, before = capture(batch)
+                learner_stats.update(trained)
+                prox = before.float()
+            elif trains_policy:
+                learner_stats.update(s.learner.train_step(batch))
         dlag = lag_divergence(prox, mu, mask).tolist()  # [N]: mean |log pi_learner - log mu| per sample
         t2 = time.perf_counter()
-        update = s.learner.export_weights()  # carries the new policy_version (no second call to a learner actor)
-        s.rollout.update_weights(update)
+        with self.beat("publish", "learner"):
+            update = s.learner.export_weights()  # carries the new policy_version (one learner actor call)
+        with self.beat("publish", "rollout"):
+            s.rollout.update_weights(update)
         self._admit(step + 1, update.version)
         t3 = time.perf_counter()
         self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],

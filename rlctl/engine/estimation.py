@@ -20,6 +20,7 @@ from rlctl.contracts.roles import AdvantageEstimator, RewardFunction, RolloutBac
 from rlctl.contracts.types import PromptRecord, RolloutRequest, Trajectory
 from rlctl.contracts.errors import RoleError
 from rlctl.engine.batching import drop_unscored_groups, group_rewards
+from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.scoring import rescore_failed, score_all
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +49,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
                   num_prompts: int, group_size: int, max_tokens: int,
                   truncation_penalty: float | None, fresh_reward: Callable[[], RewardFunction] | None = None,
                   verifier_retries: int = 0, pool: "RewardPool | None" = None,
-                  token_budget: float | None = None) -> SampledGroups:
+                  token_budget: float | None = None, heartbeat: Heartbeat = NO_HEARTBEAT) -> SampledGroups:
     """Sample ``num_prompts`` groups; an estimator that filters groups gets refills, up to its round limit.
 
     Metrics: ``generated_tokens`` (all rounds), and with filtering
@@ -64,6 +65,7 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
     A sample whose grader timed out or crashed is re-scored with a fresh
     grader up to ``verifier_retries`` times; a group still holding one is
     dropped whole (``unscored``: never scored 0, never trained as a partial group).
+    ``heartbeat`` is told of every rollout call (``generate``) and grading (``score``).
     """
     import time
 
@@ -88,12 +90,14 @@ def sample_groups(*, prompts: Callable[[int], Sequence[PromptRecord]],
         if round_index:
             refill += need
         t0 = time.perf_counter()
-        trajectories = rollout.generate([make_request(p) for p in prompts(need)])
+        with heartbeat.phase("generate", "rollout"):
+            trajectories = rollout.generate([make_request(p) for p in prompts(need)])
         t1 = time.perf_counter()
         generated += sum(t.num_response_tokens for t in trajectories)
-        scored, lat = score_all(trajectories, answers, reward, truncation_penalty, pool=pool)
-        scored, stats = rescore_failed(scored, answers, fresh_reward or (lambda: reward), verifier_retries,
-                                       truncation_penalty)
+        with heartbeat.phase("score", "reward"):
+            scored, lat = score_all(trajectories, answers, reward, truncation_penalty, pool=pool)
+            retry_reward = fresh_reward or (lambda: reward)
+            scored, stats = rescore_failed(scored, answers, retry_reward, verifier_retries, truncation_penalty)
         scored, lost = drop_unscored_groups(scored, group_size)
         unscored += lost
         for k, v in stats.items():

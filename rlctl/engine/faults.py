@@ -29,8 +29,11 @@ processes reach: the current step, and the fired/claimed steps of each
 fault). ``share`` binds this process's contexts to the same arbiter, so
 ``take()`` stays once per step across every process, and ``note_step``
 (called by the run guard whenever its step changes) lets the arbiter follow
-the driver's step before the next step starts. ``forward_recoveries`` sends
-the recovery reports of such a process to the driver the same way.
+the driver's step before the next step starts. ``on_publish`` tells such a
+placement about a fault armed while it runs (``rlctl inject --run RUN`` on a
+running run), so it arms that fault in its processes too.
+``forward_recoveries`` sends the recovery reports of such a process to the
+driver the same way.
 
 Named crash points (below) are the older test hook that SIGKILLs rlctl at a
 chosen checkpoint-protocol boundary.
@@ -67,6 +70,7 @@ _sites: dict[str, list[Callable[..., Any]]] = {}
 _recoveries: list[tuple[str, str, dict[str, Any]]] = []
 _plan: dict[int, tuple["ArmedFault", "FaultContext"]] = {}
 _step_listeners: list[Callable[[int], None]] = []
+_publish_listeners: list[Callable[["ArmedFault", "FaultContext"], None]] = []
 
 Handler = Callable[..., Any]
 
@@ -215,15 +219,23 @@ class ArmedFault:
 
 
 def publish(fault: ArmedFault, ctx: FaultContext) -> Callable[[], None]:
-    """List ``fault`` (armed here with ``ctx``) in ``armed_plan()``; return a function that withdraws it."""
-    with _lock:
-        _plan[fault.index] = (fault, ctx)
+    """List ``fault`` (armed here with ``ctx``) in ``armed_plan()`` and tell every ``on_publish`` listener;
+    return a function that withdraws it from the list."""
 
     def withdraw() -> None:
         with _lock:
             if _plan.get(fault.index, (None, None))[1] is ctx:
                 del _plan[fault.index]
 
+    with _lock:
+        _plan[fault.index] = (fault, ctx)
+        listeners = tuple(_publish_listeners)
+    try:
+        for listener in listeners:
+            listener(fault, ctx)
+    except BaseException:
+        withdraw()  # not armed everywhere: not listed as armed
+        raise
     return withdraw
 
 
@@ -268,6 +280,21 @@ def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
         with _lock:
             if listener in _step_listeners:
                 _step_listeners.remove(listener)
+
+    return remove
+
+
+def on_publish(listener: Callable[[ArmedFault, FaultContext], None]) -> Callable[[], None]:
+    """Call ``listener(fault, ctx)`` on every later ``publish`` (a fault armed mid-run); return a function that
+    removes it. A listener's error propagates to the caller of ``publish``: the fault could not be armed
+    everywhere."""
+    with _lock:
+        _publish_listeners.append(listener)
+
+    def remove() -> None:
+        with _lock:
+            if listener in _publish_listeners:
+                _publish_listeners.remove(listener)
 
     return remove
 

@@ -17,6 +17,7 @@ from rlctl.contracts.roles import MetricSink
 from rlctl.contracts.types import RolloutRequest
 from rlctl.engine.batching import build_batch
 from rlctl.engine.estimation import estimate, sample_groups
+from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.metrics import step_metrics
 from rlctl.engine.session import Session
 
@@ -64,13 +65,15 @@ class LoopSpec:
 
 
 def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
-             start_step: int = 0, checkpoint: Checkpointer | None = None) -> dict[str, float]:
+             start_step: int = 0, checkpoint: Checkpointer | None = None,
+             heartbeat: Heartbeat = NO_HEARTBEAT) -> dict[str, float]:
     """Run steps ``start_step .. spec.steps-1``; return the last step's metrics.
 
     A resumed run passes the restored session and ``start_step`` = the
-    checkpoint's completed steps.
+    checkpoint's completed steps. ``heartbeat`` is told of every role call
+    (rlctl.engine.heartbeat; the run's hang watchdog listens).
     """
-    s = session
+    s, beat = session, heartbeat.phase
     answers = {r.id: r.answer for r in s.task.train}
     encoded: dict[str, tuple[int, ...]] = {}
     metrics: dict[str, float] = {}
@@ -86,7 +89,7 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
                                 group_size=spec.group_size, max_tokens=spec.max_tokens,
                                 truncation_penalty=spec.truncation_penalty,
                                 fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
-                                pool=s.reward_pool,
+                                pool=s.reward_pool, heartbeat=heartbeat,
                                 token_budget=None if spec.max_generated_tokens is None
                                 else spec.max_generated_tokens - total_generated)
         scored = sampled.scored
@@ -104,9 +107,11 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
             adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
             batch = replace(batch, advantages=advantages.float())
             if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
-                learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
+                with beat("train", "critic"):
+                    learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
             if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
-                learner_stats.update(s.learner.train_step(batch))
+                with beat("train", "learner"):
+                    learner_stats.update(s.learner.train_step(batch))
             signal = advantages.abs().sum(-1)  # [N]: nonzero on the sequences that carry signal
         else:  # dynamic sampling found no group with signal: no update (weights, optimizer and critic stay)
             import torch
@@ -116,7 +121,10 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
             signal = torch.zeros(len(scored))
         t3 = time.perf_counter()
         if sampled.scored:
-            s.rollout.update_weights(s.learner.export_weights())
+            with beat("publish", "learner"):
+                update = s.learner.export_weights()
+            with beat("publish", "rollout"):
+                s.rollout.update_weights(update)
         t4 = time.perf_counter()
         metrics = step_metrics(
             scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
@@ -130,7 +138,8 @@ def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], obse
             for sink in sinks:
                 sink.write(step, metrics)
         if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
-            checkpoint.after_step(step + 1, metrics)
+            with beat("save", "checkpoint"):
+                checkpoint.after_step(step + 1, metrics)
         if observer is not None:
             observer(step, metrics)
         if spent:

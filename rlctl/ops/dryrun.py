@@ -450,13 +450,21 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
     prompt_max = max(len(session.tokenizer(p.text)["input_ids"]) for p in task.train)
     roles = role_memory(cfg, plugins, gpu_plan=False)
-    strat = strategy(replace(options, shape=None, zero_stage=0), roles, gpu=False)  # allocator bytes only
+    # The meter sees this process: with a sharded learner that is rank 0 (its 1/N of the sharded terms, the
+    # rollout engine, the full activations), so the ledger it is held against is one device of N at the
+    # learner's own ZeRO stage; otherwise one unsharded device.
+    ranks = int(getattr(session.learner, "world", 1))
+    strat = strategy(replace(options, shape=None, zero_stage=None if ranks > 1 else 0), roles, gpu=False)
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
     observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None, shape=shape),
                        response_tokens=max(1, int(max(longest))))
-    dev = ledger(shape, observed, strat, Placement("colocate", 1, 1, 1), host_memory_bytes(), advise=False)[0]
-    return compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
+    dev = ledger(shape, observed, strat, Placement("colocate", ranks, ranks, ranks), host_memory_bytes(),
+                 advise=False)[0]
+    result = compare(dev, meter, wall, untrained, cfg.train.steps, dict(metrics))
+    if ranks > 1:
+        result = replace(result, meter=f"{result.meter}; this process is learner rank 0 of {ranks}")
+    return result
 
 
 def compare(dev: DeviceLedger, meter: "_Meter", wall: float, untrained: bool, steps: int,

@@ -18,10 +18,11 @@ loop. It
   to open;
 - evaluates the runbooks' triggers over a sliding window after every step
   (live alerts: shown in the progress display, recorded as ``alert`` events);
-- runs a watchdog thread when ``faults.watchdog_timeout_s`` > 0: a role that
-  makes no progress for that long is reported by role and phase with a
-  faulthandler stack dump of every thread (``hang`` event) and the run stops
-  with ``HangError`` instead of hanging.
+- runs the watchdog (rlctl.ops.watchdog) when ``faults.watchdog_timeout_s``
+  > 0: the loops (synchronous and overlapped) beat their phases through
+  ``heartbeat``; a phase that makes no progress for that long is reported by
+  role and phase with a faulthandler stack dump of every thread (``hang``
+  event) and the run stops with ``HangError`` instead of hanging.
 
 What this is not: the loop (rlctl.engine.loop), the fault kinds (plugins), or
 the recoveries that live in the roles themselves (OOM in the learner, verifier
@@ -30,24 +31,21 @@ retries and group drops in rlctl.engine.scoring / batching).
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
+from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.ops.triggers import History
+from rlctl.ops.watchdog import HangError, Watchdog
 
 ALERT_WINDOW = 40  # steps of history the live alerts look at
 
 
 class NanRollback(Exception):
     """Raised from the step observer: K NaN steps in a row, roll back before the next step."""
-
-
-class HangError(RoleError):
-    """A role made no progress within faults.watchdog_timeout_s."""
 
 
 class RunGuard:
@@ -81,11 +79,17 @@ class RunGuard:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self, checkpointer: Any = None) -> "RunGuard":
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """What the loop beats through: the watchdog when ``faults.watchdog_timeout_s`` > 0, else a no-op."""
+        return self.watchdog if self.watchdog is not None else NO_HEARTBEAT
+
+    def start(self) -> "RunGuard":
+        """Arm the faults and start the watchdog; call it on the thread that will run the loop."""
         self._arm_faults()
         if self.config.watchdog_timeout_s > 0:
             self.watchdog = Watchdog(self.config.watchdog_timeout_s, self._on_hang)
-            self.watchdog.watch(self.session, checkpointer)
+            self.watchdog.start()
         return self
 
     def close(self) -> None:
@@ -148,8 +152,6 @@ class RunGuard:
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record recoveries, check the NaN streak and the canary, evaluate alerts; may raise NanRollback."""
         self.step = step + 1
-        if self.watchdog is not None:
-            self.watchdog.beat("step end")
         self._arm_live()
         events = self._record_recoveries(step, metrics)
         if self.alerts is not None:
@@ -223,7 +225,14 @@ class RunGuard:
             try:
                 return loop(first)
             except NanRollback as stop:
-                first = self._roll_back(int(stop.args[0]), int(stop.args[1]), checkpointer)
+                with self.heartbeat.phase("restore", "checkpoint"):
+                    first = self._roll_back(int(stop.args[0]), int(stop.args[1]), checkpointer)
+            except BaseException as err:
+                if self.watchdog is not None and self.watchdog.fired and not isinstance(err, HangError):
+                    # the watchdog's HangError can surface mangled when its signal lands inside C code (in a
+                    # Ray call it became a SystemError): report the hang, keep what surfaced as the cause
+                    raise self.watchdog.error() from err
+                raise
 
     def _last_good(self, before: int) -> tuple[str, Any, list[str]]:
         """The newest committed checkpoint taken before step ``before`` (the streak's first NaN step) that loads.
@@ -288,26 +297,21 @@ class RunGuard:
 
     # -- hang ----------------------------------------------------------------
 
-    def _on_hang(self, phase: str, idle_s: float, stack: str) -> str:
+    def _on_hang(self, phase: str, role: str, thread: str, idle_s: float, stack: str) -> str:
         dump = self.directory / f"hang-step{self.step}-{int(time.time())}.txt"
         try:
             dump.write_text(stack, encoding="utf-8")
         except OSError:
             dump = None  # type: ignore[assignment]
-        role = _PHASE_ROLE.get(phase, "driver")
-        message = (f"no progress for {idle_s:.0f}s: role {role}, rank 0, phase {phase}, step {self.step}"
-                   + (f"; stack dump in {dump}" if dump else ""))
+        message = (f"no progress for {idle_s:.0f}s: role {role}, rank 0, phase {phase}, step {self.step} "
+                   f"(thread {thread})" + (f"; stack dump in {dump}" if dump else ""))
         try:
             self.registry.add_event(self.run_id, "hang", message, {
-                "step": self.step, "role": role, "rank": 0, "phase": phase, "idle_s": idle_s,
+                "step": self.step, "role": role, "rank": 0, "phase": phase, "thread": thread, "idle_s": idle_s,
                 "stack": stack[-6000:], "dump": str(dump) if dump else None})
         except RlctlError:
             pass  # the registry may be what hangs; the error below still names the phase
         return message
-
-
-_PHASE_ROLE = {"generate": "rollout", "score": "reward", "train": "learner", "publish": "rollout",
-               "save": "checkpoint", "step end": "driver"}
 
 
 def _count(spec: Any) -> int | None:
@@ -361,93 +365,3 @@ class _Alerts:
                 self.registry.add_event(self.run_id, "alert", message, {
                     "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})
         self.active = now
-
-
-class Watchdog:
-    """Reports a role that makes no progress within ``timeout_s`` (by phase), then stops the run.
-
-    Progress is a beat at every role call (generate, score, train, publish,
-    save) and at every step end. On a timeout the watchdog thread dumps every
-    thread's stack (faulthandler), calls ``on_hang(phase, idle_s, stack)`` and
-    raises HangError in the main thread (through a signal, so a blocking call
-    there is interrupted too).
-    """
-
-    def __init__(self, timeout_s: float, on_hang: Callable[[str, float, str], str]) -> None:
-        self.timeout_s = timeout_s
-        self.on_hang = on_hang
-        self.phase = "start"
-        self.last = time.monotonic()
-        self._stop = threading.Event()
-        self._restore: list[Callable[[], None]] = []
-        self._message = ""
-        self._thread = threading.Thread(target=self._watch, name="rlctl-watchdog", daemon=True)
-        self._main = threading.main_thread().ident
-        self._previous_handler: Any = None
-
-    def beat(self, phase: str) -> None:
-        self.phase = phase
-        self.last = time.monotonic()
-
-    def watch(self, session: Any, checkpointer: Any = None) -> None:
-        import signal
-
-        self._wrap(session.rollout, "generate", "generate")
-        self._wrap(session.reward, "score", "score")
-        self._wrap(session.learner, "train_step", "train")
-        if hasattr(session.learner, "train_step_with_logprobs"):  # the overlapped loop's variant
-            self._wrap(session.learner, "train_step_with_logprobs", "train")
-        self._wrap(session.rollout, "update_weights", "publish")
-        if checkpointer is not None:
-            self._wrap(checkpointer, "after_step", "save")
-        if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main)
-        self.beat("start")
-        self._thread.start()
-
-    def _wrap(self, obj: Any, method: str, phase: str) -> None:
-        original = getattr(obj, method)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self.beat(phase)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.beat(phase)
-
-        setattr(obj, method, wrapped)
-        self._restore.append(lambda: obj.__dict__.pop(method, None))
-
-    def _watch(self) -> None:
-        import faulthandler
-        import signal
-        import tempfile
-
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            idle = time.monotonic() - self.last
-            if idle < self.timeout_s:
-                continue
-            with tempfile.TemporaryFile("w+") as buf:
-                faulthandler.dump_traceback(file=buf, all_threads=True)
-                buf.seek(0)
-                stack = buf.read()
-            self._message = self.on_hang(self.phase, idle, stack)
-            if self._main is not None and self._previous_handler is not None:
-                signal.pthread_kill(self._main, signal.SIGUSR1)
-            return
-
-    def _raise_in_main(self, signum: int, frame: Any) -> None:
-        raise HangError(self._message or "the watchdog found no progress",
-                        "see `rlctl runbook show hang`; the stack dump is in the hang event (`rlctl runs show RUN`)")
-
-    def stop(self) -> None:
-        import signal
-
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        for undo in self._restore:
-            undo()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGUSR1, self._previous_handler)
-            self._previous_handler = None

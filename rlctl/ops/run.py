@@ -212,7 +212,7 @@ class Run:
                 self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
                 # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.ops.recovery)
                 self._guard = RunGuard(session, run_id, self.dir.root, self.registry, self.plugins, self.warn,
-                                       start_step).start(checkpointer)
+                                       start_step).start()
                 if self.cb.start:
                     self.cb.start(start_step, config.train.steps, config.train.log_every)
                 from rlctl.dist import needs_overlap, run_overlapped
@@ -222,14 +222,17 @@ class Run:
                     # under the same guard (NaN rollback re-enters it from the restored checkpoint and queue cursor)
                     last = self._guard.run(lambda first: run_overlapped(
                         session, self.plugins, self.dir.root, sinks, self._on_step, start_step=first,
-                        checkpoint=checkpointer, store=checkpointer.store), start_step, checkpointer)
+                        checkpoint=checkpointer, store=checkpointer.store, heartbeat=self._guard.heartbeat),
+                        start_step, checkpointer)
                 else:
                     last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step,
-                                                                  start_step=first, checkpoint=checkpointer),
+                                                                  start_step=first, checkpoint=checkpointer,
+                                                                  heartbeat=self._guard.heartbeat),
                                            start_step, checkpointer)
-                checkpointer.close()
-                self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
-                                         session.tokenizer.save_pretrained)
+                with self._guard.heartbeat.phase("save", "checkpoint"):  # the last save, the final policy
+                    checkpointer.close()
+                    self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
+                                             session.tokenizer.save_pretrained)
                 status = "succeeded"
             except KeyboardInterrupt:
                 status = "interrupted"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU checks (never in CI: no GPU there). Needs one CUDA GPU and the project's venv with the bench extra
-# (pip install -e '.[dev,bench]'); downloads nothing: every model is built from a config with random weights.
+# GPU checks (never in CI: no GPU there). Needs one CUDA GPU and the project's venv with the bench and ray extras
+# (pip install -e '.[dev,bench,ray]'); downloads nothing: every model is built from a config with random weights.
 # Budget: at most 8 minutes on one GPU (an estimate: this script has not been run on a GPU yet, see README).
 #   1. pytest -m gpu tests/gpu: cuda placement and fp32 reconciliation, bf16 on GPU with fp32 optimizer state
 #      and the bf16 reconciliation, FSDP2 with NCCL on one GPU (train, sharded checkpoint, reload, export),
-#      a colocated local engine (fractional KV budget, weights offloaded between calls, same greedy rollouts);
+#      an FSDP2 rank as a Ray actor on its own GPU, a colocated local engine (fractional KV budget, weights
+#      offloaded between calls, same greedy rollouts);
 #   2. the quickstart on cuda (one seed, 3 steps of its config so the check stays short), printing its summary;
 #   3. a ~0.5B Qwen2-shaped model (Qwen2-0.5B's layout and vocabulary, 494M parameters, random weights):
 #      5 GRPO steps with the fsdp2 learner on one GPU (world_size 1, bf16 + fp32 master shards), printing the
@@ -12,7 +13,7 @@
 #      allocator's peak in that role's phase, with the ratio (bench/fsdp_ledger.py);
 #   4. rlctl's GRPO step time vs TRL's GRPOTrainer on the same 0.5B model and settings (B, G, max tokens,
 #      bf16), interleaved in one process, ratio printed (bench/trl_step_time.py).
-# Each step has its own timeout (120 + 150 + 100 + 110 s = 8 min at most); outputs land in $OUT.
+# Each step has its own timeout (150 + 120 + 100 + 110 s = 8 min at most); outputs land in $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -27,10 +28,10 @@ assert torch.cuda.is_available(), "tests/gpu/run.sh needs a CUDA device (torch.c
 print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
 
-timeout 120 "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
+timeout 150 "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
 
 start=$(date +%s)
-timeout 150 "$PY" -m rlctl.cli.app train configs/quickstart.yaml train.device=cuda rollout.options.device=cuda train.seeds=1 \
+timeout 120 "$PY" -m rlctl.cli.app train configs/quickstart.yaml train.device=cuda rollout.options.device=cuda train.seeds=1 \
     train.steps=3 --run-dir "$OUT/quickstart" --json > "$OUT/quickstart.json"
 echo "quickstart on cuda (3 steps): $(( $(date +%s) - start )) s wall; summary in $OUT/quickstart.json"
 "$PY" - "$OUT/quickstart.json" <<'PY'

@@ -7,6 +7,8 @@
   reconciliation within the CPU bf16 tolerance (tests/unit/test_bf16.py);
 - FSDP2 with NCCL on one GPU: train, sharded checkpoint through the commit
   protocol, reload bitwise, consolidated export;
+- an FSDP2 rank as a Ray actor with its own GPU (cluster.backend=ray): cuda:0
+  inside the actor, NCCL, the same losses and weights as the local learner;
 - a colocated local engine: a fractional KV budget, weights offloaded after a
   call (allocated bytes drop) and identical greedy rollouts after the reload.
 
@@ -104,6 +106,43 @@ def test_fsdp2_with_nccl_on_one_gpu_trains_checkpoints_and_exports(plugins, _rlc
         again.close()
         session.rollout.close()
     assert (export_hf(path, tmp_path / "hf") / "model.safetensors").is_file()
+
+
+def test_fsdp2_rank_actor_on_ray_gets_its_own_gpu(plugins, _rlctl_home, tiny_policy_dir, ray_cluster):
+    """cluster.backend=ray: a rank actor with cluster.learner_num_gpus=1 sees its GPU as cuda:0, joins an NCCL
+    group, trains, and its exported weights (left in the object store) equal a local one-GPU FSDP2 learner's."""
+    from dataclasses import replace
+    from functools import partial
+
+    from rlctl.config.models import ClusterConfig
+    from rlctl.contracts.types import LearnerContext
+    from rlctl.dist.ray_ranks import RayRanks
+    from rlctl_fsdp_learner.learner import FsdpLearner
+    from rlctl_fsdp_learner.options import FsdpLearnerOptions
+
+    session = _session(plugins, _rlctl_home)
+    cfg = session.config
+    ctx = LearnerContext(model_dir=str(session.policy_dir), algo=cfg.algo, optim=cfg.train.optim, seed=0,
+                         max_response_tokens=cfg.rollout.max_tokens, device="cuda", deterministic=True)
+    batch = rollout_batch(session, advantages=[1.0, -1.0] * 8)[1]
+    cluster = ClusterConfig(backend="ray", learner_num_cpus=1, learner_num_gpus=1)
+    remote = FsdpLearner(replace(ctx, rank_launcher=partial(RayRanks, cluster)), FsdpLearnerOptions(world_size=1))
+    try:
+        assert remote.device == torch.device("cuda", 0)
+        a = [remote.train_step(batch)["loss"] for _ in range(2)]
+        got = remote.export_weights().state_dict
+        got = {k: got[k] for k in got}
+    finally:
+        remote.close()
+    local = FsdpLearner(ctx, FsdpLearnerOptions(world_size=1))
+    try:
+        b = [local.train_step(batch)["loss"] for _ in range(2)]
+        want = local.export_weights().state_dict
+    finally:
+        local.close()
+        session.rollout.close()
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4
+    assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-4
 
 
 def test_colocated_engine_budget_release_and_offload_on_cuda(plugins, _rlctl_home, tiny_policy_dir):

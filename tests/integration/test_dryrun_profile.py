@@ -32,17 +32,22 @@ def test_dryrun_quickstart_ledger_matches_measured_peak_within_25_percent(home):
         assert pair["ledger_bytes"] == pair["measured_bytes"], term
 
 
-def test_dryrun_smoke_meters_the_fsdp2_learner(home):
+@pytest.mark.parametrize("world", [1, 2])
+def test_dryrun_smoke_meters_the_fsdp2_learner(home, world):
     """FSDP2's parameters are DTensors (wrappers without a storage of their own): the CPU meter counts their local
-    shards, so the smoke step runs, persistent terms match exactly and the peak is within the tolerance. This is
-    the CPU half of tests/gpu/run.sh's ledger check (bench/fsdp_ledger.py: the same meter phases, on CUDA)."""
+    shards, so the smoke step runs, persistent terms match exactly and the peak is within the tolerance. On 2
+    ranks the meter sees rank 0, and the ledger it is held against is one device of 2 (its half of the sharded
+    terms). This is the CPU half of tests/gpu/run.sh's ledger check (bench/fsdp_ledger.py, on CUDA)."""
     out = json.loads(rlctl("dryrun", "configs/quickstart.yaml", *TINY_OVERRIDES, "train.learner=fsdp2",
-                           "train.learner_options.world_size=1", "--json", home=home, check=True).stdout)
+                           f"train.learner_options.world_size={world}", "--json", home=home, check=True).stdout)
     smoke = out["smoke"]
     assert smoke["within_tolerance"] and abs(smoke["peak"]["error"]) <= 0.25, smoke["peak"]
     assert {p["phase"] for p in smoke["phases"]} == {"rollout", "train", "sync"}
     for term, pair in smoke["persistent"].items():
-        assert pair["ledger_bytes"] == pair["measured_bytes"] > 0, term
+        if world == 1:
+            assert pair["ledger_bytes"] == pair["measured_bytes"] > 0, term
+        else:  # dim-0 shards are split unevenly (rank 0 holds the larger chunk of an odd row count)
+            assert abs(pair["ledger_bytes"] - pair["measured_bytes"]) <= 0.01 * pair["measured_bytes"], (term, pair)
 
 
 def test_dryrun_tiny_table_output(home):

@@ -6,7 +6,8 @@ run within float tolerance), verifier timeouts (retried with a fresh grader,
 whole groups dropped and counted, never scored 0), NaN (skipped without a
 parameter change; K in a row roll back to the last committed checkpoint with a
 lower LR and a canary step), and the hang watchdog (role and phase reported
-with a stack dump, the run stops instead of hanging). Process-killing faults
+with a stack dump, the run stops instead of hanging; in an overlapped run too,
+where the role is the one the driver waits on). Process-killing faults
 (learner crash under --supervise, bad checkpoint) are in test_faults_process.py.
 """
 
@@ -215,3 +216,39 @@ def test_watchdog_reports_role_phase_and_stack_instead_of_hanging(_rlctl_home, t
     assert "slow" in hang.data["stack"] or "sleep" in hang.data["stack"] or "kinds.py" in hang.data["stack"]
     assert Path(hang.data["dump"]).is_file()
     assert reg.get_run(_run_id(run_dir)).status == "failed"
+
+
+# Overlapped runs swap the session's roles for a worker pool (and on Ray a learner actor handle); the loops
+# beat their phases through the guard's heartbeat, so a hang still names the role the driver waits on.
+OVERLAPPED = ["mode=async", "cluster.backend=local", "cluster.num_rollout_workers=1"]
+
+
+def test_watchdog_names_the_rollout_when_an_overlapped_driver_waits_for_trajectories(_rlctl_home, tmp_path):
+    """One worker (a second one would feed the async learner instead); it straggles past the timeout."""
+    from rlctl.ops.recovery import HangError
+
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-rollout", *OVERLAPPED,
+                               "faults.watchdog_timeout_s=3",  # the straggler takes 8 s
+                               "faults.inject=[{kind: slow-rollout, at_step: 0, options: {delay_s: 8}}]",
+                               expect_error=True)
+    assert isinstance(err, HangError) and "role rollout" in str(err)
+    [hang] = _events(reg, run_dir, "hang")
+    assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("rollout", "generate", 0)
+    assert hang.data["thread"] == "rollout-local-0"  # the producer thread inside the stuck generate call
+    assert "kinds.py" in hang.data["stack"]
+    assert reg.get_run(_run_id(run_dir)).status == "failed"
+
+
+def test_watchdog_names_the_learner_when_it_hangs_while_producers_keep_beating(_rlctl_home, tmp_path):
+    """A slow-learner fault blocks the learner's train call; producer beats do not reset the timer."""
+    from rlctl.ops.recovery import HangError
+
+    # 5 s: the first batch, generated before the learner is reached, must fit in it on a loaded machine
+    err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-learner", *OVERLAPPED,
+                               "faults.watchdog_timeout_s=5",  # the learner sleeps 120 s, interrupted by the hang
+                               "faults.inject=[{kind: slow-learner, at_step: 0, options: {delay_s: 120}}]",
+                               expect_error=True)
+    assert isinstance(err, HangError) and "role learner" in str(err)
+    [hang] = _events(reg, run_dir, "hang")
+    assert (hang.data["role"], hang.data["phase"], hang.data["step"]) == ("learner", "train", 0)
+    assert hang.data["thread"] == "MainThread"

@@ -6,6 +6,9 @@ Proven by the run's registry events and counters and by the trajectory
 ledger's audit (nothing lost, nothing trained twice). This test found a
 deadlock: a producer waiting at the admission gate held the claim lock that
 the dead worker's producer needed to give its prompts back.
+
+Also: the hang watchdog names the learner when the driver's call into the
+learner actor blocks while the rollout actors keep working.
 """
 
 from __future__ import annotations
@@ -85,3 +88,73 @@ def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_a
     assert m[(steps - 1, "learner_restarts")] == 1 and m[(steps - 1, "micro_batch_size")] == 8
     report = audit(run_dir / "queue")
     assert report.lost == () and report.double_counted == 0
+
+
+def test_faults_injected_into_the_running_run_fire_inside_the_live_learner_actor_and_the_one_ray_restarts(
+        ray_cluster, _rlctl_home, tmp_path):
+    """`rlctl inject --run RUN` on a running Ray run: after step 1 two OOMs (steps 2 and 4) are dropped into
+    the run's inbox; the guard arms them at that step end, the placement adds them to the fault broker's plan
+    and re-arms the live actors, so the first fires in the learner actor that was already running. The learner
+    actor is SIGKILLed at step 3 (a config fault): the process that trains step 4 is a restart that never got
+    that re-arm, it arms the broker's plan as Ray starts it, and the second OOM fires there. Each fires once
+    across the driver and every actor; the recovery reports come back from the actors (micro-batch halved)."""
+    from rlctl.config.load import load_config
+    from rlctl.config.models import FaultSpec
+    from rlctl.engine.async_loop import audit
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.ops.inject import inject_running
+    from rlctl.ops.run import TrainCallbacks
+    from rlctl.ops.train import train
+    from rlctl.registry.store import Registry
+
+    from tests.integration.test_faults import BASE
+
+    steps, run_dir, injected = 5, tmp_path / "ray-live", []
+
+    def after_step(step, metrics):
+        if step == 1 and not injected:  # once: a learner rewind may run step 1's end again
+            injected.extend(inject_running(run_dir, FaultSpec.model_validate({"kind": "oom", "at_step": at}))
+                            for at in (2, 4))
+
+    cfg = load_config(None, [
+        *BASE, "cluster.backend=ray", "cluster.rollout_num_cpus=0.5", "cluster.learner_num_cpus=0.5", "mode=async",
+        "staleness.max_staleness=1", f"train.steps={steps}", "checkpoint.every_steps=1", "algo.micro_batch_size=16",
+        "staleness.take_timeout_s=300", "faults.inject=" + json.dumps([{"kind": "learner-crash", "at_step": 3}])])
+    reg = Registry.open(f"sqlite:///{tmp_path / 'registry.db'}")
+    result = train(cfg, registry=reg, plugins=load_plugins(), home=_rlctl_home, run_dir=run_dir,
+                   callbacks=TrainCallbacks(step=after_step))
+    assert result.run.status == "succeeded"
+    assert len(injected) == 2 and all(p.with_suffix(".armed").is_file() for p in injected)  # taken from the inbox
+    armed = [(e.data["kind"], e.data["at_step"], e.data["fault_index"]) for e in _events(reg, run_dir, "fault_armed")]
+    assert armed == [("oom", 2, 1), ("oom", 4, 2)], armed
+    fired = [(e.data["kind"], e.data["step"], e.data["fault_index"]) for e in _events(reg, run_dir, "fault_injected")]
+    assert sorted(fired) == [("learner-crash", 3, 0), ("oom", 2, 1), ("oom", 4, 2)], fired  # each once
+    [restart] = _events(reg, run_dir, "learner_restarted")
+    assert restart.data["restarts"] == 1
+    ooms = _events(reg, run_dir, "oom_recovered")  # reported inside the learner actors, recorded by the driver
+    assert [(e.data["micro_batch_from"], e.data["micro_batch_to"]) for e in ooms] == [(16, 8), (8, 4)]
+    m = {(p.step, p.name): p.value for p in reg.metrics(_run_id(run_dir))}
+    assert [m[(s, "micro_batch_size")] for s in range(steps)] == [16, 16, 8, 8, 4]
+    report = audit(run_dir / "queue")
+    assert report.lost == () and report.double_counted == 0
+
+
+def test_watchdog_names_the_learner_actor_call_that_hangs(ray_cluster, _rlctl_home, tmp_path, monkeypatch):
+    """On Ray the session's learner is a RayLearner swapped in after the guard started; the driver's call into
+    it blocks (patched here) while the rollout actors keep generating: the hang names the learner, not a step
+    end or a rollout. The timeout leaves room for the actors to come up (the first weight export waits for it)."""
+    import time
+
+    from rlctl.dist.ray import RayLearner
+    from rlctl.ops.recovery import HangError
+
+    def stuck(self, batch):
+        time.sleep(300)  # interrupted by the watchdog's HangError
+
+    monkeypatch.setattr(RayLearner, "train_step_with_logprobs", stuck)
+    err, reg, run_dir = _train(
+        _rlctl_home, tmp_path, "ray-hang", "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
+        "cluster.learner_num_cpus=0.5", "mode=async", "faults.watchdog_timeout_s=30", expect_error=True)
+    assert isinstance(err, HangError)
+    [hang] = _events(reg, run_dir, "hang")
+    assert (hang.data["role"], hang.data["phase"], hang.data["thread"]) == ("learner", "train", "MainThread")

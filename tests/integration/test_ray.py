@@ -230,3 +230,22 @@ def test_a_learner_killed_between_calls_is_restored_not_silently_reset(ray_clust
     assert rows[-1][1]["policy_version"] == steps and session.learner.policy_version == steps  # nothing reset
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.max_staleness <= 1
+
+
+@ray.remote
+class _CannotStart:
+    def __init__(self) -> None:
+        raise FileNotFoundError("no model at /nowhere")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_an_actor_that_cannot_start_is_one_error_naming_it(ray_cluster):
+    """Placement start-up waits for every actor's constructor: a failed one is a RoleError naming the actor and
+    its error (not a restart loop inside the first step)."""
+    from rlctl import RoleError
+    from rlctl.dist.ray import _started
+
+    with pytest.raises(RoleError, match=r"rollout worker ray-1 failed to start: FileNotFoundError: no model at /nowhere"):
+        _started([("rollout worker ray-1", _CannotStart.options(num_cpus=0, max_restarts=1).remote())])

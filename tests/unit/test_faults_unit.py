@@ -300,3 +300,33 @@ def test_recoveries_reported_in_a_role_process_go_to_the_forwarding_sink() -> No
     finally:
         forward_recoveries(None)
     assert sent == [("oom_recovered", {"micro_batch_to": 8})] and drain_recoveries() == []
+
+
+def test_a_fault_published_mid_run_reaches_the_listeners_and_one_that_fails_leaves_it_unlisted() -> None:
+    from rlctl.engine.faults import ArmedFault, armed_plan, on_publish, publish
+
+    def armed(index: int) -> tuple[ArmedFault, FaultContext]:
+        fault = ArmedFault(index=index, kind="oom", options=None, where="inject", at_step=3, count=1, rate=1.0,
+                           target=None, seed=0)
+        return fault, FaultContext(kind="oom", at_step=3, count=1, rate=1.0, target=None, options=None, seed=0,
+                                   step=lambda: 0, record=lambda m, d: None, index=index)
+
+    heard = []
+    remove = on_publish(lambda fault, ctx: heard.append((fault.index, ctx.index)))
+    withdraw = publish(*armed(7))
+    try:
+        assert heard == [(7, 7)] and [f.index for f, _ in armed_plan()] == [7]
+    finally:
+        withdraw()
+        remove()
+
+    def refuse(fault, ctx):
+        raise RuntimeError("the placement's broker is gone")
+
+    remove = on_publish(refuse)
+    try:
+        with pytest.raises(RuntimeError, match="broker is gone"):
+            publish(*armed(8))
+    finally:
+        remove()
+    assert armed_plan() == [] and heard == [(7, 7)]  # not armed everywhere: not listed; a removed listener is quiet

@@ -31,8 +31,8 @@ BUILTINS = {
     "reward_function": ["code", "format", "length", "math", "reward_model"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
-    "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-rollout", "verifier-error",
-              "verifier-timeout", "weight-sync-failure", "worker-crash"],
+    "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner", "slow-rollout",
+              "verifier-error", "verifier-timeout", "weight-sync-failure", "worker-crash"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "hf_disk", "jsonl", "parquet")},
@@ -44,8 +44,9 @@ BUILTIN_PLUGINS = {
     "deepspeed_learner": {"learner backend": ("deepspeed",)},
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
-    "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-rollout",
-                         "verifier-error", "verifier-timeout", "weight-sync-failure", "worker-crash")},
+    "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner",
+                         "slow-rollout", "verifier-error", "verifier-timeout", "weight-sync-failure",
+                         "worker-crash")},
 }
 
 
