@@ -344,6 +344,14 @@ class CriticBackend(Protocol):
 
 
 @runtime_checkable
+class ClosableLearner(Protocol):
+    """A learner holding processes or actors besides this one (a sharded learner's ranks; optional): the run
+    calls ``close`` when it ends, so none of them outlives it. Idempotent."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
 class LrScalable(Protocol):
     """A learner whose learning rate can be lowered mid-run (the NaN rollback does)."""
 

@@ -453,7 +453,11 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
     # The meter sees this process: with a sharded learner that is rank 0 (its 1/N of the sharded terms, the
     # rollout engine, the full activations), so the ledger it is held against is one device of N at the
     # learner's own ZeRO stage; otherwise one unsharded device.
-    ranks = int(getattr(session.learner, "world", 1))
+    from rlctl.config.load import validate_options
+
+    learner_opts = validate_options(plugins.get("learner_backend", cfg.train.learner).options,
+                                    cfg.train.learner_options, "train.learner_options")
+    ranks = int(getattr(learner_opts, "world_size", 1) or 1)
     strat = strategy(replace(options, shape=None, zero_stage=None if ranks > 1 else 0), roles, gpu=False)
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).

@@ -42,6 +42,7 @@ from rlctl.ops.triggers import History
 from rlctl.ops.watchdog import HangError, Watchdog
 
 ALERT_WINDOW = 40  # steps of history the live alerts look at
+REALERT_AFTER = 10  # quiet steps before a trigger that fires again is a new alert (not the same episode)
 
 
 class NanRollback(Exception):
@@ -327,7 +328,12 @@ class _Event:
 
 
 class _Alerts:
-    """Live alerts: the runbook triggers over a sliding window, reported once when they start firing."""
+    """Live alerts: the runbook triggers over a sliding window, reported when they start firing.
+
+    A trigger that keeps firing, or falls silent for a few steps and fires again (a noisy series flickering
+    at its bound), is one episode and one report; it is reported again only after ``REALERT_AFTER`` quiet
+    steps, or when the run went back to an earlier step (a rollback or resume).
+    """
 
     def __init__(self, registry: Any, run_id: str, warn: Callable[[str], None], start_step: int) -> None:
         from rlctl.ops.runbooks import load_runbooks
@@ -336,7 +342,7 @@ class _Alerts:
         self.books = load_runbooks()
         self.series: dict[str, list[tuple[int, float]]] = {}
         self.events: list[Any] = []
-        self.active: set[tuple[str, str]] = set()
+        self.last_fired: dict[tuple[str, str], int] = {}  # trigger -> the last step it fired at
         if start_step:
             for p in registry.metrics(run_id):
                 if p.step < start_step:
@@ -350,18 +356,16 @@ class _Alerts:
             self.series[name] = kept + [(step, float(value))]
         self.events = (self.events + [e for e in events])[-ALERT_WINDOW:]
         history = History(metrics=self.series, events=[e for e in self.events if (e.data or {}).get("step") == step])
-        now = set()
         for book in self.books:
             for trigger in book.triggers:
                 firing = evaluate(trigger, history)
                 if firing is None or firing.last_step != step:
                     continue
                 key = (book.name, trigger.id)
-                now.add(key)
-                if key in self.active:
-                    continue
+                last, self.last_fired[key] = self.last_fired.get(key), step
+                if last is not None and 0 < step - last <= REALERT_AFTER:
+                    continue  # the same episode
                 message = f"[{trigger.severity}] {trigger.summary} ({firing.detail}); runbook {book.name}"
                 self.warn(f"ALERT {message}")
                 self.registry.add_event(self.run_id, "alert", message, {
                     "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})
-        self.active = now

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from rlctl.config.load import config_hash
 from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import CheckpointError, RlctlError
+from rlctl.contracts.roles import ClosableLearner
 from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecord, RunRecord
 from rlctl.engine.rundir import RunDir, RunLock
 from rlctl.hooks.manager import Plugins
@@ -259,9 +260,8 @@ class Run:
                 session.rollout.close()
                 if session.reward_pool is not None:
                     session.reward_pool.close()
-                close_learner = getattr(session.learner, "close", None)  # a sharded learner's ranks (local or Ray)
-                if close_learner is not None:
-                    close_learner()
+                if isinstance(session.learner, ClosableLearner):  # a sharded learner's ranks (local or Ray)
+                    session.learner.close()
                 if self._lock is not None:
                     self._lock.release()
         return self._finish(config, last, start_step, resumed_from)

@@ -14,8 +14,12 @@ Conditions (``when``):
   nonfinite          the metric was NaN/Inf at some step (SQLite keeps NaN only as a
                      ``metric_nonfinite`` event, which counts too)
   rises / drops      the mean of the last ``window`` steps moved up / down against the
-                     mean of the ``window`` steps before by more than ``by`` (absolute)
-                     or ``by_ratio`` (relative to the earlier mean)
+                     mean of the ``baseline`` steps before (default: ``window``) by more
+                     than ``by`` (absolute) or ``by_ratio`` (relative to the earlier mean).
+                     A ``baseline`` longer than ``window`` makes the reference a steadier
+                     mean, so a per-step noisy metric (entropy over a small batch) can have a
+                     tight bound without firing on noise, and detection still takes only
+                     ``window`` steps
   falls_steadily     over ``window`` steps, at least 80% of step-to-step changes are
                      decreases and the total decline exceeds ``by_ratio``
   occurs             an event of kind ``event`` was recorded at least ``threshold`` times
@@ -50,6 +54,8 @@ class Trigger(BaseModel):
     by: float | None = Field(None, ge=0, description="Absolute change for rises/drops.")
     by_ratio: float | None = Field(None, ge=0, description="Relative change for rises/drops/falls_steadily.")
     window: int = Field(1, ge=1, description="Consecutive steps (above/below/increases) or window size.")
+    baseline: int | None = Field(None, ge=1, description="rises/drops: steps before the window whose mean is "
+                                 "the reference (default: window).")
     severity: Severity = Field("warning", description="How bad a firing is.")
     branch: str | None = Field(None, description="Diagnosis branch; defaults to the runbook's.")
     summary: str = Field(description="One line a person reads when it fires.")
@@ -66,6 +72,8 @@ class Trigger(BaseModel):
             raise ValueError(f"trigger {self.id!r}: `{self.when}` needs `threshold`")
         if self.when in ("rises", "drops") and self.by is None and self.by_ratio is None:
             raise ValueError(f"trigger {self.id!r}: `{self.when}` needs `by` or `by_ratio`")
+        if self.baseline is not None and self.when not in ("rises", "drops"):
+            raise ValueError(f"trigger {self.id!r}: `baseline` applies to rises/drops only, not `{self.when}`")
         if self.when == "falls_steadily" and (self.by_ratio is None or self.window < 3):
             raise ValueError(f"trigger {self.id!r}: `falls_steadily` needs `by_ratio` and `window` >= 3")
         return self
@@ -78,7 +86,8 @@ class Trigger(BaseModel):
             return f"{target} {sign} {self.threshold:g}" + (f" for {self.window} steps" if self.window > 1 else "")
         if self.when in ("rises", "drops"):
             amount = f"{self.by:g}" if self.by is not None else f"{100 * (self.by_ratio or 0):.0f}%"
-            return f"{target} {self.when} by > {amount} (mean of {self.window} steps vs the {self.window} before)"
+            before = self.baseline or self.window
+            return f"{target} {self.when} by > {amount} (mean of {self.window} steps vs the {before} before)"
         if self.when == "falls_steadily":
             return f"{target} falls steadily by > {100 * (self.by_ratio or 0):.0f}% over {self.window} steps"
         if self.when == "increases":
@@ -180,12 +189,13 @@ def _runs(t: Trigger, series: Series) -> Firing | None:
 
 
 def _shift(t: Trigger, series: Series) -> Firing | None:
-    """Sliding comparison of two adjacent windows' means; flags every window pair past the bound."""
-    w = t.window
+    """Sliding comparison of the last ``window`` steps' mean with the mean of the ``baseline`` steps before;
+    flags every window past the bound."""
+    w, base = t.window, t.baseline or t.window
     best: tuple[float, int, float, float] | None = None
     windows: list[tuple[int, int]] = []
-    for end in range(2 * w - 1, len(series)):
-        before = sum(v for _, v in series[end - 2 * w + 1:end - w + 1]) / w
+    for end in range(w + base - 1, len(series)):
+        before = sum(v for _, v in series[end - w - base + 1:end - w + 1]) / base
         after = sum(v for _, v in series[end - w + 1:end + 1]) / w
         change = after - before if t.when == "rises" else before - after
         ratio = change / max(abs(before), 1e-8)
@@ -204,7 +214,7 @@ def _shift(t: Trigger, series: Series) -> Firing | None:
     bound = t.by if t.by is not None else (t.by_ratio or 0) * max(abs(before), 1e-8)
     values = tuple(sv for sv in series if any(a <= sv[0] <= b for a, b in windows))
     detail = (f"{t.metric} mean {before:.4g} -> {after:.4g} ({'+' if t.when == 'rises' else '-'}{abs(change):.4g}) "
-              f"over steps {series[end - 2 * w + 1][0]}-{series[end][0]}")
+              f"over steps {series[end - w - base + 1][0]}-{series[end][0]}")
     return Firing(t, tuple(windows), values, detail, 1.0 + change / max(bound, 1e-8))
 
 

@@ -24,6 +24,7 @@ import torch
 from rlctl import WeightUpdate, hookimpl
 from rlctl.contracts.roles import (
     CheckpointableLearner,
+    ClosableLearner,
     LearnerBackend,
     RolloutBackend,
     ShardedCheckpointLearner,
@@ -45,7 +46,8 @@ def protocol_members(*protocols: type) -> set[str]:
     return names
 
 
-LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner)
+LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner,
+                                   ClosableLearner)
 ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout)
 
 

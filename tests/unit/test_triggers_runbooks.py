@@ -54,6 +54,73 @@ def test_drops_compares_adjacent_window_means() -> None:
     assert f is not None and "0.6 -> 0.2" in f.detail
 
 
+def test_a_longer_baseline_is_the_reference_mean_before_the_window() -> None:
+    t = Trigger(id="d", when="drops", metric="m", by_ratio=0.3, window=2, baseline=4, summary="s")
+    assert "mean of 2 steps vs the 4 before" in t.describe()
+    assert evaluate(t, hist(m=[1.0, 1.0, 1.0, 0.6, 0.6])) is None  # only 3 steps before the window: not evaluated
+    f = evaluate(t, hist(m=[1.0, 1.2, 0.8, 1.0, 0.6, 0.6]))  # mean 1.0 of steps 0-3 -> 0.6: -40%
+    assert f is not None and f.windows == ((4, 5),) and "1 -> 0.6" in f.detail and "steps 0-5" in f.detail
+    assert evaluate(t, hist(m=[1.0, 1.2, 0.8, 1.0, 0.8, 0.8])) is None  # -20%
+
+
+# Entropy per step of the quickstart (configs/quickstart.yaml, seed 0, 100 GRPO steps, lr 2e-5): a healthy run.
+# The old entropy-jump rule (2 steps vs the 2 before, +15%) fired on it at step 27 (0.468 -> 0.545): noise.
+QUICKSTART_SEED0_ENTROPY = [
+    0.501, 0.536, 0.516, 0.554, 0.516, 0.480, 0.486, 0.545, 0.481, 0.547, 0.500, 0.536, 0.526, 0.456, 0.516, 0.561,
+    0.548, 0.518, 0.513, 0.565, 0.605, 0.545, 0.532, 0.487, 0.475, 0.462, 0.533, 0.556, 0.488, 0.547, 0.495, 0.518,
+    0.482, 0.577, 0.539, 0.526, 0.506, 0.509, 0.488, 0.522, 0.513, 0.505, 0.539, 0.540, 0.526, 0.545, 0.468, 0.517,
+    0.503, 0.509, 0.460, 0.507, 0.502, 0.456, 0.510, 0.519, 0.531, 0.501, 0.538, 0.511, 0.505, 0.529, 0.487, 0.534,
+    0.483, 0.474, 0.484, 0.522, 0.485, 0.524, 0.525, 0.492, 0.511, 0.469, 0.455, 0.503, 0.490, 0.571, 0.532, 0.558,
+    0.532, 0.548, 0.429, 0.512, 0.448, 0.535, 0.513, 0.536, 0.534, 0.521, 0.501, 0.564, 0.523, 0.472, 0.482, 0.479,
+    0.487, 0.516, 0.488, 0.518]
+# Seed 3 (`run.seed=3`: its own warm start, entropy 0.65 with a 9.8% step-to-step spread): healthy, noisier.
+QUICKSTART_SEED3_ENTROPY = [
+    0.666, 0.613, 0.619, 0.718, 0.566, 0.780, 0.633, 0.698, 0.750, 0.687, 0.680, 0.591, 0.680, 0.637, 0.569, 0.625,
+    0.617, 0.568, 0.598, 0.673, 0.796, 0.583, 0.638, 0.738, 0.650, 0.538, 0.673, 0.699, 0.604, 0.722, 0.711, 0.655,
+    0.774, 0.653, 0.567, 0.596, 0.607, 0.675, 0.586, 0.634, 0.506, 0.646, 0.661, 0.735, 0.591, 0.685, 0.607, 0.621,
+    0.604, 0.663, 0.643, 0.673, 0.776, 0.603, 0.679, 0.644, 0.721, 0.554, 0.670, 0.557, 0.494, 0.643, 0.581, 0.633,
+    0.661, 0.660, 0.621, 0.575, 0.670, 0.832, 0.680, 0.700, 0.649, 0.521, 0.602, 0.607, 0.560, 0.562, 0.604, 0.657,
+    0.644, 0.594, 0.623, 0.648, 0.670, 0.699, 0.765, 0.663, 0.682, 0.691, 0.686, 0.663, 0.597, 0.602, 0.691, 0.687,
+    0.736, 0.637, 0.607, 0.718]
+# Seed 0's warm start at lr 2e-3 (100x): a real collapse (reward 0.31 -> 0.10, every group's rewards equal by step 12).
+COLLAPSE_LR_2E3_ENTROPY = [
+    0.501, 0.501, 0.487, 0.525, 0.455, 0.352, 0.425, 0.434, 0.342, 0.302, 0.295, 0.277, 0.243, 0.207, 0.182, 0.177,
+    0.121, 0.242, 0.185, 0.195]
+
+
+def _entropy_firings(values: list[float]) -> dict[str, object]:
+    book = {b.name: b for b in load_runbooks(REPO / "runbooks")}["instability"]
+    triggers = [t for t in book.triggers if t.metric == "entropy"]
+    assert {t.id for t in triggers} == {"entropy-jump", "entropy-collapse"}
+    return {t.id: f for t in triggers if (f := evaluate(t, hist(entropy=values))) is not None}
+
+
+def test_entropy_triggers_stay_silent_on_the_quickstarts_noise() -> None:
+    old = Trigger(id="old", when="rises", metric="entropy", by_ratio=0.15, window=2, summary="s")
+    for healthy in (QUICKSTART_SEED0_ENTROPY, QUICKSTART_SEED3_ENTROPY):
+        assert evaluate(old, hist(entropy=healthy)) is not None  # the false positive this replaces
+        assert _entropy_firings(healthy) == {}
+
+
+def test_entropy_triggers_fire_on_a_real_collapse_and_a_real_jump() -> None:
+    collapse = _entropy_firings(COLLAPSE_LR_2E3_ENTROPY)
+    assert set(collapse) == {"entropy-collapse"} and collapse["entropy-collapse"].windows[0][0] <= 12
+    healthy = QUICKSTART_SEED0_ENTROPY[:30]
+    jump = _entropy_firings(healthy + [1.4 * v for v in healthy[:5]])  # randomised: +40% from step 30 on
+    assert set(jump) == {"entropy-jump"} and jump["entropy-jump"].windows[0][0] == 30
+    # a slow, steady 30% drift over 30 steps is a trend for the reward curves, not a live collapse alert
+    assert _entropy_firings([0.5 * (1 - 0.01 * i) for i in range(30)]) == {}
+
+
+def test_the_live_alerts_keep_enough_history_for_every_shipped_trigger() -> None:
+    from rlctl.ops.recovery import ALERT_WINDOW
+
+    for book in load_runbooks(REPO / "runbooks"):
+        for t in book.triggers:
+            need = t.window + (t.baseline or t.window) if t.when in ("rises", "drops") else t.window
+            assert need <= ALERT_WINDOW, f"{book.name}/{t.id} needs {need} steps; live alerts keep {ALERT_WINDOW}"
+
+
 def test_falls_steadily_and_occurs() -> None:
     t = Trigger(id="f", when="falls_steadily", metric="tps", by_ratio=0.4, window=5, summary="s")
     assert evaluate(t, hist(tps=[100, 90, 80, 70, 50])) is not None
@@ -68,6 +135,7 @@ def test_falls_steadily_and_occurs() -> None:
     ({"id": "a", "when": "occurs", "summary": "s"}, "needs `event"),
     ({"id": "a", "when": "drops", "metric": "m", "summary": "s"}, "needs `by`"),
     ({"id": "a", "when": "sometimes", "metric": "m", "summary": "s"}, "when"),
+    ({"id": "a", "when": "above", "metric": "m", "threshold": 1, "baseline": 5, "summary": "s"}, "rises/drops only"),
 ])
 def test_bad_triggers_are_refused_with_the_rule(raw: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
@@ -125,3 +193,23 @@ def test_a_healthy_history_has_no_findings() -> None:
     h = hist(reward_mean=[0.1 + 0.01 * i for i in range(10)], clip_fraction=[0.1] * 10,
              response_length_mean=[4.0] * 10, nan_inf_skipped_steps=[0] * 10)
     assert diagnose("r", h, load_runbooks(REPO / "runbooks")).findings == ()
+
+
+def test_a_live_alert_flickering_at_its_bound_is_one_report_until_it_has_been_quiet():
+    """A trigger that fires, falls silent for a step or two and fires again is the same episode (one warning, one
+    alert event); after REALERT_AFTER quiet steps, or when the run went back to an earlier step, it is new."""
+    from types import SimpleNamespace
+
+    from rlctl.ops.recovery import REALERT_AFTER, _Alerts
+
+    events, warnings = [], []
+    registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: events.append(data["step"]))
+    alerts = _Alerts(registry, "r", warnings.append, start_step=0)
+    trigger = Trigger(id="hot", when="above", metric="x", threshold=1.0, window=1, summary="x is high")
+    alerts.books = [SimpleNamespace(name="book", triggers=[trigger])]
+    hot = {2, 3, 5, 7, 8, 8 + REALERT_AFTER + 1}
+    for step in range(8 + REALERT_AFTER + 2):
+        alerts.observe(step, {"x": 2.0 if step in hot else 0.0}, [])
+    assert events == [2, 8 + REALERT_AFTER + 1] and len(warnings) == 2
+    alerts.observe(3, {"x": 2.0}, [])  # rolled back to step 3: a new episode
+    assert events[-1] == 3
