@@ -24,6 +24,10 @@ sync 0 (batch s is generated with version s, so Δv = 0), one_step_off 1
 (batch s+1 is generated while the learner trains on batch s), async
 ``max_staleness`` with per-group weight pickup; the learner takes batch s in
 draw order in the first two, oldest-first among whatever is ready in async.
+Admission follows the clock each mode takes by: learner steps in sync and
+one_step_off (step s takes draw keys below (s + 1) * B, so a step that leaves
+the policy as it was, such as a critic warm-up step, still lets the next batch
+in), policy versions in async (``max_staleness`` counts versions).
 Δv beyond ``max_staleness`` is dropped or reweighted (truncated importance
 sampling) and always counted. Partial rollout (``partial_fraction`` < 1): a
 step proceeds once that share of its B groups is ready; the groups still in
@@ -439,7 +443,7 @@ class AsyncDriver:
         self.ledger.write({"start": start_step, "cursor": self.queue.cursor()})
         with self.beat("publish", "learner"):
             self.board.publish(s.learner.export_weights())
-        self.queue.set_version(s.learner.policy_version)
+        self._admit(start_step, s.learner.policy_version)
         self._threads = [threading.Thread(target=self._produce, args=(w,), name=f"rollout-{w.name}", daemon=True)
                          for w in self.workers]
         for thread in self._threads:
@@ -508,9 +512,13 @@ class AsyncDriver:
                 err = again
         cursor = getattr(self.session, "queue_cursor", None)
         self.queue.restore_cursor(cursor if cursor is not None else {"watermark": 0, "resolved": [], "drops": {}})
-        self.queue.set_version(version)
+        self._admit(step, version)
         self.ledger.write({"rewind": step, "cursor": self.queue.cursor()})
         return step
+
+    def _admit(self, steps_done: int, version: int) -> None:
+        """Move the queue's admission gate: by steps in the in-order modes, the clock their ``key_below`` uses."""
+        self.queue.set_version(steps_done if self.spec.mode != "async" else version)
 
     def _step(self, step: int) -> dict[str, float]:
         import torch
@@ -521,7 +529,7 @@ class AsyncDriver:
         s, spec = self.session, self.spec
         t0 = time.perf_counter()
         version = s.learner.policy_version
-        self.queue.set_version(version)
+        self._admit(step, version)
         with self.counters.lock:
             tokens0, wait0 = self.counters.generated_tokens, self.counters.rollout_wait_s
             self.counters.latencies = []
@@ -586,7 +594,7 @@ class AsyncDriver:
             update = s.learner.export_weights()  # carries the new policy_version (one learner actor call)
         with self.beat("publish", "rollout"):
             s.rollout.update_weights(update)
-        self.queue.set_version(update.version)
+        self._admit(step + 1, update.version)
         t3 = time.perf_counter()
         self.ledger.write({"step": step, "version": version, "taken": [g.group_id for g in groups],
                            "dropped": taken.dropped_ids + [g.group_id for g in unscored] + no_signal,

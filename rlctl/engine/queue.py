@@ -25,11 +25,23 @@ every checkpoint, and ``restore_cursor`` puts a reopened queue exactly there:
 groups taken after that checkpoint are delivered again, groups consumed before
 it never are.
 
+Resolution by draw key: a learner step of the in-order modes takes the
+groups of draw keys below ``key_below`` and may return short only once every
+key below it is resolved, meaning taken or dropped by a take (or compacted
+away, which happens only below a checkpoint's cursor). A key that no producer
+has reserved yet, one reserved or handed back but not put, and one whose group
+is pending are all unresolved, so a take never mistakes "not drawn yet" for
+"done". The resolved keys are not stored: they follow from the log and the
+cursor, so ``restore_cursor`` rebuilds them.
+
 Back-pressure: a producer ``reserve``s a slot (with the group's draw key)
 before generating; reservations plus buffered groups never exceed
 ``capacity``, and a key more than ``max_ahead`` steps ahead of the learner's
-version waits. ``put`` of an unreserved group blocks (or, with ``block=False``,
-raises ``QueueFull``) while the queue is full.
+version waits (``set_version``; the overlapped driver passes its step count
+instead in the in-order modes, whose ``key_below`` counts steps too, so that a
+step leaving the policy as it was still admits the next batch). ``put`` of an
+unreserved group blocks (or, with ``block=False``, raises ``QueueFull``) while
+the queue is full.
 
 Compaction: ``compact(below_seq)`` deletes whole segments below the oldest
 kept checkpoint's watermark (the overlapped driver calls it after a checkpoint
@@ -282,6 +294,8 @@ class TrajectoryQueue:
         self._pending: dict[int, Group] = {}  # seq -> group, not yet consumed or dropped
         self._known: set[str] = set()  # every group id in the log (dedup)
         self._reserved: set[int] = set()  # draw keys admitted but not yet put
+        self._key_floor = 0  # every draw key below this is resolved (taken, dropped or compacted)
+        self._keys_above: set[int] = set()  # resolved draw keys at or above the floor
         self._version = 0
         self._next_seq = 0
         self._puts = self._duplicates = 0
@@ -293,6 +307,7 @@ class TrajectoryQueue:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._compacted = Compacted.load(self.directory)
         self._replay()
+        self._mark_compacted_resolved()  # everything in the log is pending until a cursor says otherwise
 
     # -- recovery --------------------------------------------------------------------
 
@@ -359,14 +374,20 @@ class TrajectoryQueue:
                     "the log is older than the checkpoint (restored from another run?); resume with the run's "
                     "own directory")
             self._pending = {}
+            self._key_floor, self._keys_above = 0, set()
+            self._mark_compacted_resolved()
             self._replay_pending(watermark, resolved)
             self._drops = {r: int(cursor.get("drops", {}).get(r, 0)) for r in DROP_REASONS}
             self._cond.notify_all()
 
     def _replay_pending(self, watermark: int, resolved: set[int]) -> None:
+        consumed = []
         for group in self._iter_log():
             if group.seq >= watermark and group.seq not in resolved:
                 self._pending.setdefault(group.seq, group)
+            else:
+                consumed.append(group.key)
+        self._mark_resolved(consumed)
 
     def _iter_log(self) -> Iterator[Group]:
         seen: set[str] = set()
@@ -383,7 +404,7 @@ class TrajectoryQueue:
     # -- producer side -----------------------------------------------------------------
 
     def set_version(self, version: int) -> None:
-        """The learner's current policy version (wakes producers waiting on ``max_ahead``)."""
+        """The learner's position for admission (wakes producers waiting on ``max_ahead``); see the module docstring."""
         with self._cond:
             self._version = version
             self._cond.notify_all()
@@ -497,9 +518,11 @@ class TrajectoryQueue:
         (generated before a learner restart rolled the version back) is dropped
         (``orphaned``). With ``key_below`` only groups of smaller draw key are
         eligible and the call returns early (with fewer than ``n``) once every
-        such key is resolved. With ``min_groups`` (partial rollout) it also
-        returns once at least that many groups are taken and no other eligible
-        one is ready yet. Blocks until then or until ``timeout``.
+        key below it is resolved (taken or dropped; see the module docstring):
+        a key not reserved yet keeps it waiting, as one still in flight does.
+        With ``min_groups`` (partial rollout) it also returns once at least
+        that many groups are taken and no other eligible one is ready yet.
+        Blocks until then or until ``timeout``.
         """
         if stale_policy not in ("drop", "reweight"):
             raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
@@ -528,29 +551,52 @@ class TrajectoryQueue:
                             reason = "stale"
                         else:
                             weighted.append(group.group_id)
-                    self._resolve(seq)
+                    del self._pending[seq]
                     if reason is None:
-                        taken.append(group)
+                        taken.append(group)  # resolved once the take returns: a timed-out take gives it back
                     else:
+                        self._mark_resolved((group.key,))
                         drops[reason] += 1
                         self._drops[reason] += 1
                         dropped.append(group.group_id)
-                if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below)):
+                if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below, taken)):
                     break
                 if min_groups is not None and len(taken) >= min_groups:
                     break  # partial rollout: the rest of the batch carries over
                 self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
+            self._mark_resolved(g.key for g in taken)
             self._cond.notify_all()
         return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,
                           staleness=[current_version - g.policy_version for g in taken],
                           waited_s=time.monotonic() - started)
 
-    def _all_resolved_below(self, key_below: int) -> bool:
-        return (not any(g.key < key_below for g in self._pending.values())
-                and not any(k < key_below for k in self._reserved))
+    def _all_resolved_below(self, key_below: int, taking: Sequence[Group] = ()) -> bool:
+        """Every draw key below ``key_below`` is resolved, counting the groups this take holds.
 
-    def _resolve(self, seq: int) -> None:
-        self._pending.pop(seq)
+        Not merely "none pending or reserved now": a key no producer has
+        reserved yet is unresolved too (the learner must wait for it).
+        """
+        if any(g.key < key_below for g in self._pending.values()) or any(k < key_below for k in self._reserved):
+            return False
+        done = {k for k in self._keys_above if k < key_below}
+        done.update(g.key for g in taking if self._key_floor <= g.key < key_below)
+        return len(done) >= key_below - self._key_floor
+
+    def _mark_compacted_resolved(self) -> None:
+        """Compacted keys are resolved (compaction stays below every kept cursor); by range, not key by key."""
+        for lo, hi in self._compacted.ranges:
+            if lo <= self._key_floor:
+                self._key_floor = max(self._key_floor, hi + 1)
+                self._keys_above = {k for k in self._keys_above if k >= self._key_floor}
+                self._mark_resolved(())  # absorb resolved keys the new floor reaches
+            else:
+                self._mark_resolved(range(lo, hi + 1))
+
+    def _mark_resolved(self, keys: Iterable[int]) -> None:
+        self._keys_above.update(k for k in keys if k >= self._key_floor)
+        while self._key_floor in self._keys_above:
+            self._keys_above.discard(self._key_floor)
+            self._key_floor += 1
 
     def _wait(self, deadline: float | None, what: str, restore: list[Group] | None = None) -> None:
         if self._closed:

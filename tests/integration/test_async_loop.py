@@ -101,6 +101,45 @@ def test_dlag_from_the_training_forward_equals_the_separate_pass(plugins, _rlctl
     assert rows_fast[-1][1]["dlag_p95"] > 0  # the samples' own log-probs differ from the learner's by rounding
 
 
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_learner_asking_before_the_producer_claims_waits_for_the_batch(plugins, _rlctl_home, tmp_path,
+                                                                       tiny_policy_dir, monkeypatch, mode):
+    """The learner's take comes first at every step: keys no producer has claimed yet are waited for.
+
+    The order that made these modes flaky ("no trajectory group left to train on"), forced: the producer claims a
+    step's keys only once the learner's take is blocked waiting for them.
+    """
+    import threading
+
+    from rlctl.engine.async_loop import AsyncDriver, audit
+    from rlctl.engine.queue import TrajectoryQueue
+
+    learner_waits = threading.Event()
+    real_wait, real_claim = TrajectoryQueue._wait, AsyncDriver._claim
+
+    def wait(self, deadline, what, restore=None):
+        if restore is not None:  # the learner's take (a producer's reserve passes none)
+            learner_waits.set()
+        return real_wait(self, deadline, what, restore)
+
+    def claim(self):
+        while not learner_waits.wait(timeout=0.05):
+            if self._stop.is_set():
+                return []
+        keys = real_claim(self)
+        if keys:
+            learner_waits.clear()
+        return keys
+
+    monkeypatch.setattr(TrajectoryQueue, "_wait", wait)
+    monkeypatch.setattr(AsyncDriver, "_claim", claim)
+    session = session_for(plugins, _rlctl_home, f"mode={mode}", "train.steps=3", "cluster.num_rollout_workers=1")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2] and all(m["groups_trained"] == 4 for _, m in rows)
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 12
+
+
 class FlakyWorker:
     """A real local worker that loses the given calls (the far side of a worker crash: the process dying)."""
 
@@ -205,6 +244,21 @@ def test_ppo_with_a_critic_trains_overlapped(plugins, _rlctl_home, tmp_path, tin
     rows = run(session, plugins, tmp_path)
     assert [s for s, _ in rows] == [0, 1, 2] and all("value_loss" in m for _, m in rows)
     assert session.learner.policy_version == 3
+    report = audit(tmp_path / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 12
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_critic_warmup_steps_still_admit_the_next_batch(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode):
+    """A warm-up step trains only the critic (the policy version stays); rollout is admitted by steps, not versions."""
+    from rlctl.engine.async_loop import audit
+
+    session = session_for(plugins, _rlctl_home, "algo.name=ppo", "algo.critic.warmup_steps=1", f"mode={mode}",
+                          "train.steps=3", "staleness.take_timeout_s=60")
+    rows = run(session, plugins, tmp_path)
+    assert [s for s, _ in rows] == [0, 1, 2] and all(m["groups_trained"] == 4 for _, m in rows)
+    assert session.learner.policy_version == 2  # step 0 left the policy as it was
+    assert all(m["staleness_max"] <= (0 if mode == "sync" else 1) for _, m in rows)
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
 
