@@ -271,32 +271,29 @@ def note_step(step: int) -> None:
         listener(step)
 
 
-def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
-    """Call ``listener(step)`` on every ``note_step``; return a function that removes it."""
+def _subscribe(listeners: list[Any], listener: Any) -> Callable[[], None]:
+    """Add ``listener`` to ``listeners``; return a function that removes it."""
     with _lock:
-        _step_listeners.append(listener)
+        listeners.append(listener)
 
     def remove() -> None:
         with _lock:
-            if listener in _step_listeners:
-                _step_listeners.remove(listener)
+            if listener in listeners:
+                listeners.remove(listener)
 
     return remove
+
+
+def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``listener(step)`` on every ``note_step``; return a function that removes it."""
+    return _subscribe(_step_listeners, listener)
 
 
 def on_publish(listener: Callable[[ArmedFault, FaultContext], None]) -> Callable[[], None]:
     """Call ``listener(fault, ctx)`` on every later ``publish`` (a fault armed mid-run); return a function that
     removes it. A listener's error propagates to the caller of ``publish``: the fault could not be armed
     everywhere."""
-    with _lock:
-        _publish_listeners.append(listener)
-
-    def remove() -> None:
-        with _lock:
-            if listener in _publish_listeners:
-                _publish_listeners.remove(listener)
-
-    return remove
+    return _subscribe(_publish_listeners, listener)
 
 
 def report_recovery(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
