@@ -2,8 +2,10 @@
 
 What this is: ``run_overlapped``, which builds the rollout workers (and, for
 Ray, the learner actor) for a session and runs the overlapped loop
-(rlctl.engine.async_loop) with them. rlctl.dist.ray is the only module in
-rlctl that imports ray; it is imported only when ``cluster.backend`` is ray.
+(rlctl.engine.async_loop) with them. rlctl.dist.ray and rlctl.dist.ray_ranks
+(a sharded learner's ranks as actors) are the only modules in rlctl that
+import ray; they are imported only when ``cluster.backend`` is ray.
+rlctl.dist.ranks holds the process-group plumbing local and Ray ranks share.
 
 What this is not: the loop itself or run bookkeeping (rlctl.ops.train).
 """

@@ -4,7 +4,8 @@ What this is: ``RayPlacement`` (joins ``cluster.address`` or starts a local
 cluster, reserves one bundle per actor with the configured CPUs/GPUs, starts
 the actors with ``max_restarts``) and the driver-side handles ``RayWorker``
 and ``RayLearner`` that turn a dead actor into WorkerLost / LearnerLost for
-the overlapped loop. This is the only module of rlctl that imports ray.
+the overlapped loop. This module and rlctl.dist.ray_ranks (a sharded learner's rank actors) are the
+only ones in rlctl that import ray.
 
 A restarted rollout actor comes back with its initial weights; the loop
 loads the current version into it before it serves (RayWorker.restart waits

@@ -12,7 +12,6 @@ a swapped model).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from rlctl.contracts.errors import ConfigError, RoleError
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.dist.ranks import free_port
 from rlctl.serve.http_common import HttpOptions
 from rlctl.serve.reward import RewardServer, build_reward_service
 
@@ -78,12 +78,6 @@ class ScriptedServer:
 def info_then(score):
     """A script: /info reports model_hash "h"; /score answers ``score(calls)``."""
     return lambda path, calls: (200, {"model_hash": "h"}) if path == "/info" else score(calls)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def traj(prompt: str = "3+4=", response: str = "7") -> Trajectory:

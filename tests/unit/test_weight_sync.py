@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightUpdate
+from rlctl.dist.ranks import free_port
 from rlctl.engine.transports.disk import DiskTransport, fetch_directory, read_manifest
 from rlctl.engine.transports.inprocess import InProcessTransport
 from rlctl.engine.weight_codec import decode_state, encode_state, manifest_from_dict, manifest_to_dict
@@ -274,12 +274,6 @@ def test_confirmation_retries_then_succeeds_and_past_the_bound_raises():
 # -- torch.distributed (gloo) ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _PEER = """
 import json, sys, time
 from rlctl.engine.transports.distributed import DistTransport
@@ -311,7 +305,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_gloo_broadcast_delivers_a_verified_version_in_buckets():
     from rlctl.engine.transports.distributed import DistTransport
 
-    port = _free_port()
+    port = free_port()
     peer = _peer(port, "ok")
     try:
         sender = DistTransport(rank=0, world_size=2, master_port=port, timeout_s=30, join_timeout_s=60,
@@ -330,7 +324,7 @@ def test_gloo_broadcast_delivers_a_verified_version_in_buckets():
 def test_peer_that_never_joins_is_an_error_naming_it_within_the_timeout():
     from rlctl.engine.transports.distributed import DistTransport
 
-    sender = DistTransport(rank=0, world_size=2, master_port=_free_port(), timeout_s=1.0, bind_addr="127.0.0.1")
+    sender = DistTransport(rank=0, world_size=2, master_port=free_port(), timeout_s=1.0, bind_addr="127.0.0.1")
     started = time.monotonic()
     with pytest.raises(RoleError, match=r"rank\(s\) 1 never joined"):
         Broadcaster(sender).publish(_update(1, _state(0)))
@@ -340,7 +334,7 @@ def test_peer_that_never_joins_is_an_error_naming_it_within_the_timeout():
 def test_hung_peer_is_an_error_naming_it_within_the_timeout_never_a_hang():
     from rlctl.engine.transports.distributed import DistTransport
 
-    port = _free_port()
+    port = free_port()
     peer = _peer(port, "hang")
     try:
         sender = DistTransport(rank=0, world_size=2, master_port=port, timeout_s=2.0, join_timeout_s=60,
