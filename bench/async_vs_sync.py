@@ -12,7 +12,7 @@ engine's ``length_tail_alpha`` option keeps each row decoding to a Pareto(alpha)
 at ``--tail-max-tokens``: real decode work with a heavy tail; the trained responses are unchanged).
 
 Modes: ``sync`` is the plain loop (rlctl.engine.loop.run_sync, the baseline, one engine); the others run the
-overlapped driver (rlctl.engine.async_loop) with ``--workers`` rollout threads (``--placement local``) or Ray
+overlapped driver (rlctl.engine.overlap) with ``--workers`` rollout threads (``--placement local``) or Ray
 actors (``--placement ray``): ``one_step_off``, ``async1`` (async, max_staleness 1), ``async2`` (2).
 ``--pin`` pins the learner side (the driver's main thread, or the learner actor) to CPU 0 and every rollout
 worker (thread or actor process) to CPU 1 from the first step on, and sync's single thread to CPU 0: the
@@ -149,12 +149,14 @@ def pin_sides(session: Any) -> None:
 def run_mode(args: argparse.Namespace, workload: str, shape: str, name: str, plugins: Any, home: Path,
              task: Any, grade: bool) -> dict:
     from rlctl.engine.eval import grade_policy
-    from rlctl.engine.loop import LoopSpec, run_sync
-    from rlctl.engine.session import build_session
+    from rlctl.engine.loop import drive
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.placement import place
 
     mode, bound = MODES[name]
     config = config_for(args, workload, shape, mode, bound)
-    session = build_session(config, plugins, cache_root=home / "cache", task=task)
+    placement = place(config, plugins, cache_root=home / "cache", task=task)
+    session = placement.roles
     sink = Sink()
     clock = StepClock(session, args.pin)
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,12 +165,7 @@ def run_mode(args: argparse.Namespace, workload: str, shape: str, name: str, plu
         started = time.perf_counter()
         clock.marks = [started]
         try:
-            if name == "sync":
-                run_sync(session, LoopSpec.from_config(config), [sink], clock)
-            else:
-                from rlctl.dist import run_overlapped
-
-                run_overlapped(session, plugins, Path(tmp), [sink], clock)
+            drive(session, LoopSpec.from_config(config), [sink], observer=clock, directory=Path(tmp))
         finally:
             os.sched_setaffinity(threading.main_thread().native_id, set(range(os.cpu_count() or 1)))
         wall = time.perf_counter() - started
@@ -179,7 +176,7 @@ def run_mode(args: argparse.Namespace, workload: str, shape: str, name: str, plu
             session.tokenizer.save_pretrained(str(policy))
             eval_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"options": {}})})
             scores = grade_policy(name, policy, eval_config, plugins, task, task.hidden[: args.hidden])
-        session.rollout.close()
+        placement.close()
     steps = clock.steps_s[1:] or clock.steps_s
     return {"name": name, "wall": wall, "step_s": statistics.median(steps), "rows": sink.rows, "scores": scores,
             "config": config}
@@ -246,7 +243,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rlctl.engine.session import load_task, resolve_policy_dir
+    from rlctl.placement.build import load_task, resolve_policy_dir
     from rlctl.hooks.manager import load_plugins
 
     args = parse_args(argv)

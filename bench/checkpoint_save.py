@@ -44,10 +44,13 @@ def main() -> None:
 
     import torch
 
+    from dataclasses import replace
+
     from rlctl.config.load import load_config
     from rlctl.engine.checkpoint import DiskCheckpointStore
-    from rlctl.engine.loop import LoopSpec, run_sync
-    from rlctl.engine.session import build_session
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.placement import place
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, capture, shadow_batch
     from rlctl.hooks.manager import load_plugins
 
@@ -56,18 +59,16 @@ def main() -> None:
         root = Path(tmp)
         cfg = load_config(args.config, ["model.warm_start.enabled=false", f"train.steps={2 + 3 * n}",
                                         "checkpoint.every_steps=1"])
-        session = build_session(cfg, load_plugins(), cache_root=root / "cache")
+        session = place(cfg, load_plugins(), cache_root=root / "cache").roles
         provenance = Provenance(run_id="bench", config_hash="bench", code_version="bench")
         num_params = sum(p.numel() for p in session.learner.model.parameters())
 
         def steps(first: int, count: int, checkpointer=None) -> list[float]:
             stamps: list[float] = []
             before = time.perf_counter()
-            original = session.config.train.steps
-            object.__setattr__(session.config.train, "steps", first + count)
-            run_sync(session, LoopSpec.from_config(session.config), [], observer=lambda step, m: stamps.append(time.perf_counter()),
-                     start_step=first, checkpoint=checkpointer)
-            object.__setattr__(session.config.train, "steps", original)
+            run_sync(session, replace(LoopSpec.from_config(session.config), steps=first + count), [],
+                     observer=lambda step, m: stamps.append(time.perf_counter()), start_step=first,
+                     checkpoint=checkpointer)
             return [b - a for a, b in zip([before] + stamps[:-1], stamps)]
 
         steps(0, 2)  # warm up

@@ -74,8 +74,9 @@ def config_for(args: argparse.Namespace, model_dir: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rlctl.engine.loop import LoopSpec, run_sync
-    from rlctl.engine.session import build_session
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.placement import place
     from rlctl.hooks.manager import load_plugins
     from rlctl.ops import dryrun as d
     from rlctl.ops.memory import Placement, ledger
@@ -85,22 +86,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir, n_params = build_model_dir(args.shape, Path(args.models), args.vocab)
     config = config_for(args, model_dir)
     plugins = load_plugins()
-    session = build_session(config, plugins, cache_root=Path(args.home) / "cache")
-    meter = d.make_meter(session)
-    session.rollout = d._Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
-    session.learner = d._Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
-                                                         "ref_logprobs": "train"})
+    placement = place(config, plugins, cache_root=Path(args.home) / "cache")
+    meter = d.make_meter(placement.roles)
+    session = replace(placement.roles,
+                      rollout=d._Phased(placement.roles.rollout, meter, {"generate": "rollout", "update_weights": "sync"}),
+                      learner=d._Phased(placement.roles.learner, meter, {
+                          "train_step": "train", "train_step_with_logprobs": "train", "export_weights": "sync",
+                          "ref_logprobs": "train"}))
     times: list[float] = []
     longest = [1.0]
     try:
         with meter:
             for step in range(args.steps):
-                session.config = session.config.model_copy(
-                    update={"train": session.config.train.model_copy(update={"steps": step + 1})})
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 started = time.perf_counter()
-                metrics = run_sync(session, LoopSpec.from_config(session.config), [], start_step=step)
+                metrics = run_sync(session, replace(LoopSpec.from_config(config), steps=step + 1), [], start_step=step)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - started)
@@ -110,8 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peak = (max([int(torch.cuda.max_memory_allocated()), *meter.peaks.values()]) if args.device == "cuda"
                 else d.rss_peak_bytes())
     finally:
-        session.rollout.close()
-        session.learner.close()
+        placement.close()
     # the ledger at the lengths the steps really produced, allocator bytes (as the smoke step checks it)
     tokenizer = session.tokenizer
     shape = d.config_shape(config, tokenizer)

@@ -88,20 +88,23 @@ class RlctlStepper:
     """Runs rlctl's real loop (rlctl.engine.loop.run_sync) one step at a time and times each step."""
 
     def __init__(self, config: Any, home: Path, device: str = "cpu") -> None:
-        from rlctl.engine.session import build_session
+        from rlctl.placement import place
         from rlctl.hooks.manager import load_plugins
 
-        self.session = build_session(config, load_plugins(), cache_root=home / "cache")
+        self.placement = place(config, load_plugins(), cache_root=home / "cache")
+        self.session = self.placement.roles
         self.done, self.times, self.tokens, self.device = 0, [], [], device
 
     def step(self) -> None:
-        from rlctl.engine.loop import LoopSpec, run_sync
+        from dataclasses import replace
+
+        from rlctl.engine.loop import run_sync
+        from rlctl.engine.spec import LoopSpec
 
         s = self.session
-        s.config = s.config.model_copy(update={"train": s.config.train.model_copy(update={"steps": self.done + 1})})
         _sync(self.device)
         started = time.perf_counter()
-        metrics = run_sync(s, LoopSpec.from_config(s.config), [], start_step=self.done)
+        metrics = run_sync(s, replace(LoopSpec.from_config(s.config), steps=self.done + 1), [], start_step=self.done)
         _sync(self.device)
         self.times.append(time.perf_counter() - started)
         n = s.config.algo.prompts_per_step * s.config.algo.group_size
@@ -118,7 +121,7 @@ def _sync(device: str) -> None:
 def trl_reward(config: Any, eos_id: int) -> Any:
     """rlctl's configured mixed reward (math + format) as a TRL reward function, with the truncation rule."""
     from rlctl.contracts.types import SamplingConfig, TerminalReason
-    from rlctl.engine.session import build_reward
+    from rlctl.placement.build import build_reward
     from rlctl.hooks.manager import load_plugins
 
     mixed = build_reward(config, load_plugins())
@@ -211,7 +214,7 @@ def bench_shape(args: argparse.Namespace, home: Path, model_dir: str | None) -> 
         "trl_tok": statistics.median(counted[w:len(timer.times)]), "n": len(ours.times) - w,
         "rl_times": ours.times, "trl_times": timer.times,
     }
-    ours.session.rollout.close()
+    ours.placement.close()
     print(f"per-step times rlctl: {[round(x, 3) for x in ours.times]}")
     print(f"per-step times TRL:   {[round(x, 3) for x in timer.times]}", flush=True)
     return out

@@ -53,7 +53,7 @@ def session_and_batch(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
     from rlctl.config.load import load_config
     from rlctl.contracts.types import RolloutRequest
     from rlctl.engine.batching import build_batch
-    from rlctl.engine.session import build_session
+    from rlctl.placement import place
     from rlctl.hooks.manager import load_plugins
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
@@ -62,7 +62,7 @@ def session_and_batch(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
         f"algo.group_size={args.group}", f"algo.micro_batch_size={args.prompts * args.group}",
         f"rollout.max_tokens={args.max_tokens}", "train.optim.warmup_steps=0",
     ])
-    s = build_session(cfg, load_plugins(), cache_root=Path(args.home).expanduser() / "cache")
+    s = place(cfg, load_plugins(), cache_root=Path(args.home).expanduser() / "cache").roles
     requests = [RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(s.tokenizer(p.text)["input_ids"]),
                                group_size=args.group, sampling=s.sampling, dataset_version=s.task.version)
                 for p in s.cursor.next(args.prompts)]

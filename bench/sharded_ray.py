@@ -53,7 +53,7 @@ def batch_for(model_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     from rlctl.config.load import load_config
     from rlctl.contracts.types import LearnerContext, RolloutContext, RolloutRequest
     from rlctl.engine.batching import build_batch
-    from rlctl.engine.session import load_task, sampling_config
+    from rlctl.placement.build import load_task, sampling_config
     from rlctl.hooks.manager import load_plugins
     from rlctl.models.tokenizer import tokenizer_hash
     from transformers import AutoTokenizer
@@ -81,7 +81,7 @@ def batch_for(model_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
 def learners(ctx: Any) -> dict[str, tuple[Any, float]]:
     """name -> (learner, start-up seconds)."""
     from rlctl.config.models import ClusterConfig
-    from rlctl.dist.ray_ranks import RayRanks
+    from rlctl.placement.ray_ranks import RayRanks
     from rlctl_fsdp_learner.learner import FsdpLearner
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
     from rlctl_torch_learner.learner import TorchLearner

@@ -12,13 +12,13 @@ import torch; torch.set_num_threads(1)
 from tests.conftest import TINY_OVERRIDES
 from rlctl.config.load import load_config
 from rlctl.hooks.manager import load_plugins
-from rlctl.engine.session import build_session
+from rlctl.placement import place
 from tests.helpers import rollout_batch
 plugins = load_plugins()
 for samp in ([], ["rollout.temperature=0.7", "rollout.top_k=8", "rollout.top_p=0.9"], ["rollout.temperature=1.3", "rollout.top_p=0.8"]):
   for seed in (0, 1):
     cfg = load_config(None, TINY_OVERRIDES + ["train.learner_options.dtype=bfloat16", f"run.seed={seed}"] + samp)
-    s = build_session(cfg, plugins, pathlib.Path(os.environ["RLCTL_HOME"]) / "cache")
+    s = place(cfg, plugins, cache_root=pathlib.Path(os.environ["RLCTL_HOME"]) / "cache").roles
     _, batch = rollout_batch(s)
     m = batch.action_mask > 0
     d = (s.learner.logprobs(batch) - batch.behavior_logprobs)[m].abs()

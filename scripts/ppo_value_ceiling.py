@@ -61,29 +61,25 @@ def main() -> int:
     from rlctl.algo.losses import explained_variance
     from rlctl.cli._options import rlctl_home
     from rlctl.config.load import load_config
-    from rlctl.contracts.types import RolloutRequest
     from rlctl.engine.batching import build_batch
-    from rlctl.engine.estimation import sample_groups
-    from rlctl.engine.session import build_session
+    from rlctl.engine.groups import Sampler, request_encoder, sample_groups
+    from rlctl.placement import place
     from rlctl.hooks.manager import load_plugins
 
     torch.manual_seed(args.seed)
     overrides = ["algo.name=ppo", *([f"model.path={args.policy}"] if args.policy else []), *args.extra]
     config = load_config(args.config, overrides)
-    s = build_session(config, load_plugins(), rlctl_home() / "cache")
+    s = place(config, load_plugins(), cache_root=rlctl_home() / "cache").roles
     answers = {r.id: r.answer for r in s.task.train}
     a = config.algo
-
-    def request(p):
-        return RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(s.tokenizer(p.text)["input_ids"]),
-                              group_size=a.group_size, sampling=s.sampling, dataset_version=s.task.version)
+    sampler = Sampler(prompts=s.cursor.next, make_request=request_encoder(s, a.group_size), rollout=s.rollout,
+                      reward=s.reward, answers=answers, estimator=s.estimator, group_size=a.group_size,
+                      max_tokens=config.rollout.max_tokens, truncation_penalty=0.0)
 
     def sample():
-        out = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
-                            answers=answers, estimator=s.estimator, num_prompts=a.prompts_per_step,
-                            group_size=a.group_size, max_tokens=config.rollout.max_tokens, truncation_penalty=0.0)
-        batch = build_batch(out.scored, [0.0] * len(out.scored), s.tokenizer.pad_token_id, s.sampling)
-        return out.scored, batch
+        scored = sample_groups(sampler, a.prompts_per_step).selection.kept
+        batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
+        return scored, batch
 
     model = s.learner.model.eval()
 

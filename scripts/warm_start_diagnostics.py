@@ -49,7 +49,7 @@ def main() -> int:
     import torch
 
     from rlctl.config.load import load_config
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
     from rlctl.hooks.manager import load_plugins
     from rlctl.models.load import load_policy
 

@@ -61,18 +61,18 @@ def plugins():
 
 @pytest.fixture(scope="module")
 def tiny_session(tiny_config, plugins, _rlctl_home):
-    """A session (task, tokenizer, rollout, learner) on the tiny config, one per test module."""
-    from rlctl.engine.session import build_session
+    """The tiny config's roles (task, tokenizer, rollout, learner) placed in this process, one per test module."""
+    from rlctl.placement import place
 
-    s = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
-    yield s
-    s.rollout.close()
+    placement = place(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    yield placement.roles
+    placement.close()
 
 
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tiny_config, plugins, _rlctl_home):
     """A warm-started tiny model directory (about 1 s to build)."""
-    from rlctl.engine.session import load_task, resolve_policy_dir
+    from rlctl.placement.build import load_task, resolve_policy_dir
 
     task = load_task(tiny_config, plugins)
     return resolve_policy_dir(tiny_config, task, _rlctl_home / "cache")

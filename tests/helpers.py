@@ -10,6 +10,20 @@ import threading
 from rlctl.contracts.types import LearnerContext, RolloutRequest
 
 
+def build_roles(config, plugins, cache_root, **kw):
+    """The roles of ``config`` placed in this process (``rlctl.placement.place``); the caller closes the rollout."""
+    from rlctl.placement import place
+
+    return place(config, plugins, cache_root=cache_root, **kw).roles
+
+
+def placed(config, plugins, cache_root, **kw):
+    """The placement of ``config`` (its ``roles`` and ``close``)."""
+    from rlctl.placement import place
+
+    return place(config, plugins, cache_root=cache_root, **kw)
+
+
 def rollout_batch(session, advantages=None, num_prompts: int = 4, group_size: int = 4):
     """Generate ``group_size`` samples for the first train prompts; return (trajectories, TrainBatch)."""
     from rlctl.engine.batching import build_batch

@@ -110,7 +110,7 @@ class _Rank(TorchLearner):
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed reads the launcher's variables (LOCAL_RANK picks its CUDA device: a Ray actor sees only its own
-        # GPU, cuda:0); the group itself is already up (rlctl.dist.ranks.init_group)
+        # GPU, cuda:0); the group itself is already up (rlctl.placement.ranks.init_group)
         local = torch.device(ctx.device).index if ctx.device.startswith("cuda") else rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local or 0), WORLD_SIZE=str(world))
         _forget_previous_groups()

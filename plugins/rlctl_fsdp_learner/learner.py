@@ -3,7 +3,7 @@
 What this is: a LearnerBackend whose rank 0 is the training process (it drives
 the loop, the registry and the rollout) and whose ranks 1..N-1 are spawned
 processes that follow its commands (LocalRanks); under ``cluster.backend=ray``
-all N ranks are Ray actors instead (rlctl.dist.ray_ranks) and the training
+all N ranks are Ray actors instead (rlctl.placement.ray_ranks) and the training
 process only commands them. Every rank loads the same policy, applies
 ``torch.distributed.fsdp.fully_shard`` to each decoder layer and then to the
 root, and builds AdamW over its shards, so parameters, gradients and optimizer
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from rlctl import CheckpointError, ConfigError, RoleError, WeightUpdate
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
-from rlctl.dist.ranks import free_port, init_group, rank_device
+from rlctl.placement.ranks import free_port, init_group, rank_device
 from rlctl.engine import shards, state_codec
 from rlctl.models.device import resolve_device
 from rlctl.models.fingerprint import fingerprint
@@ -346,7 +346,7 @@ class RankGroup:
     rank, rlctl_deepspeed_learner's a DeepSpeed ZeRO rank. Where the ranks
     run is the context's ``rank_launcher``: none starts them here
     (LocalRanks); under ``cluster.backend=ray`` they are Ray actors
-    (rlctl.dist.ray_ranks.RayRanks), and this process holds no shard.
+    (rlctl.placement.ray_ranks.RayRanks), and this process holds no shard.
     """
 
     make_rank: Any = _Rank

@@ -101,7 +101,7 @@ def sft(config: Path = ConfigArg, overrides: Optional[List[str]] = OverridesArg,
     from rlctl.cli._display import TrainDisplay
     from rlctl.config.load import load_config
     from rlctl.contracts.errors import ConfigError
-    from rlctl.engine.session import load_task, resolve_policy_dir
+    from rlctl.placement.build import load_task, resolve_policy_dir
     from rlctl.hooks.manager import load_plugins
 
     cfg = load_config(config, overrides or [])

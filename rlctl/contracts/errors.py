@@ -68,6 +68,19 @@ class RunbookError(RlctlError):
     """A runbook is malformed or its check failed."""
 
 
+class WorkerLost(Exception):
+    """A rollout worker died (process killed, actor lost) while serving a call.
+
+    Raised by the placement's worker handles, caught by the overlapped driver:
+    the call's prompts are re-queued and the worker restarted. Not an
+    RlctlError: it never reaches a user unless the restarts run out.
+    """
+
+
+class LearnerLost(Exception):
+    """The learner died (its actor or a rank was lost); its state must be restored from the newest checkpoint."""
+
+
 __all__ = [
     "RlctlError",
     "ConfigError",
@@ -79,4 +92,6 @@ __all__ = [
     "RoleError",
     "RolloutUnavailable",
     "RunbookError",
+    "WorkerLost",
+    "LearnerLost",
 ]

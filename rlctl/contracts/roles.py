@@ -118,11 +118,7 @@ class LearnerBackend(Protocol):
         ``policy_version`` goes up by one when the weights changed, and not when
         every update of the step was skipped (non-finite gradients).
 
-        Optional companion (not part of this Protocol): ``train_step_with_logprobs(batch)
-        -> (metrics, logprobs)``, the same update plus log pi of the trained tokens
-        under the weights before it, [N, T] (0 off ``action_mask``). The overlapped
-        loop reads D_lag from it instead of a separate ``logprobs`` pass when a
-        learner has it (the torch learner takes them from its training forward).
+        Optional companion: CapturingLearner.train_step_with_logprobs.
         """
         ...
 
@@ -147,6 +143,50 @@ class LearnerBackend(Protocol):
         dry-run measures these against its ledger.
         """
         ...
+
+
+@runtime_checkable
+class CapturingLearner(Protocol):
+    """A learner that returns, with an update, log pi of the trained tokens under the weights before it (optional).
+
+    The training step reads D_lag (and the proximal policy of decoupled PPO)
+    from it instead of a separate ``logprobs`` pass; the torch learner takes
+    them from its training forward, so they cost nothing.
+    """
+
+    def train_step_with_logprobs(self, batch: "TrainBatch") -> tuple[Mapping[str, float], "Tensor"]:
+        """``train_step(batch)`` and log pi before it, [N, T] (0 off ``action_mask``)."""
+        ...
+
+
+@runtime_checkable
+class RestartableLearner(Protocol):
+    """A learner whose processes can be restarted under it (optional: a Ray learner actor, Ray rank actors).
+
+    A restarted learner refuses work until it is restored from a checkpoint or
+    told to serve from its initial state (``accept_initial_state``: the run has
+    no committed checkpoint yet).
+    """
+
+    def accept_initial_state(self) -> None: ...
+
+
+@runtime_checkable
+class ShardedLearnerOptions(Protocol):
+    """A learner plugin's validated options for a learner whose ranks hold shards (optional, e.g. FSDP2).
+
+    The placement reserves one bundle per rank and starts the ranks where they
+    run; the dry run plans ``world_size`` devices.
+    """
+
+    world_size: int
+
+
+@runtime_checkable
+class ZeroStagedOptions(Protocol):
+    """A learner plugin's validated options that shard like DeepSpeed ZeRO (optional; the dry run reads the stages)."""
+
+    def zero_stages(self) -> tuple[int, ...]: ...
 
 
 @runtime_checkable

@@ -423,7 +423,7 @@ class LearnerContext:
     device: str = "auto"  # auto | cpu | cuda | cuda:N, resolved by the learner (rlctl.models.device)
     policy_loss: PolicyLoss | None = None  # None: token PPO clip with algo's clip_eps and loss_agg
     # Where a sharded learner (train.learner fsdp2 / deepspeed) starts its ranks: a callable
-    # ``(make_rank, label, ctx, options) -> ranks``; None = processes on this node (rlctl.dist.ray_ranks
+    # ``(make_rank, label, ctx, options) -> ranks``; None = processes on this node (rlctl.placement.ray_ranks
     # gives Ray actors under cluster.backend=ray). Learners that are one process ignore it.
     rank_launcher: Any = None
 

@@ -47,7 +47,7 @@ old checkpoint's manifest removed, its files still there) and
 Loading reads tensors with safetensors and everything else as JSON: nothing is
 unpickled, so a checkpoint from an untrusted path cannot run code.
 
-What this is not: deciding what goes into a checkpoint and restoring a session
+What this is not: deciding what goes into a checkpoint and restoring a run's roles
 from it (rlctl.engine.snapshot), or the registry (the caller passes callbacks).
 """
 

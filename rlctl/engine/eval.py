@@ -69,7 +69,7 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
 def _correctness_grader(config: RunConfig, plugins: Plugins):
     comps = config.reward.components
     chosen = next((c for c in comps if c.name == "math"), comps[0])
-    from rlctl.engine.session import reward_options
+    from rlctl.placement.build import reward_options
 
     return plugins.build("reward_function", chosen.name, reward_options(config, plugins, chosen.name, chosen.options),
                          "reward.components")

@@ -21,7 +21,7 @@ with ``drain_recoveries`` and records each as a registry event, so no recovery
 is silent.
 
 Faults in other processes. A placement that runs roles in other processes
-(rlctl.dist.ray) re-arms the run's faults there: ``armed_plan()`` lists every
+(rlctl.placement.ray_faults) re-arms the run's faults there: ``armed_plan()`` lists every
 fault armed in this process (``publish``, done by the run guard) with the
 spec needed to build it again, and ``arm_plan`` arms that plan in the other
 process with FaultContexts bound to a ``SharedClaims`` (an arbiter all

@@ -3,11 +3,11 @@
 What this is: the ``Heartbeat`` protocol the loops call around every call
 that can block on another role (``with heartbeat.phase("train", "learner"):
 ...``), and ``NO_HEARTBEAT``, the default that does nothing. Both the
-synchronous loop (rlctl.engine.loop, rlctl.engine.estimation) and the
-overlapped driver (rlctl.engine.async_loop: the driver thread and its rollout
+synchronous loop (rlctl.engine.loop, rlctl.engine.groups) and the
+overlapped driver (rlctl.engine.overlap: the driver thread and its rollout
 producer threads) beat through the one object they are given, so a watcher
-sees the same phases whatever objects stand behind ``session.rollout`` /
-``session.learner`` (a worker pool, a Ray actor handle).
+sees the same phases whatever a placement built behind the roles (a fleet of
+rollout workers, a Ray actor handle).
 
 Phases (``name``, with the ``role`` the caller waits on):
 

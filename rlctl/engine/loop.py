@@ -1,28 +1,30 @@
-"""The synchronous RL loop: sample -> score -> advantages -> update -> sync weights -> log -> checkpoint.
+"""The RL loop: sample -> score -> select -> train_on (advantages, update, publish) -> log -> checkpoint.
 
-What this is: one function you can read top to bottom. Every detail lives in a
-role (rollout backend, reward, learner) or a pure function (rlctl.algo).
+What this is: ``drive``, which runs a run's steps with the driver its
+placement calls for, and ``run_sync``, the synchronous loop you can read top
+to bottom: it generates a step's groups with the run's one rollout engine,
+then hands them to the training step (rlctl.engine.step.train_on), which
+every mode shares. The overlapped driver (rlctl.engine.overlap) differs only
+in how groups arrive: rollout workers feed a queue while the learner trains.
+``StepEnd`` is what both do after a step (sinks, checkpoint, observer, the
+generated-token budget).
 
-What this is not: run bookkeeping (registry, run dir: rlctl.ops.run) or
-display (the CLI passes an observer). It never imports ray, rich or the registry.
+What this is not: building roles (rlctl.placement), run bookkeeping
+(rlctl.ops.run) or display (the CLI passes an observer). It never imports
+ray, rich or the registry.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
-from rlctl.contracts.types import RolloutRequest
-from rlctl.engine.batching import build_batch
-from rlctl.engine.estimation import estimate, sample_groups
+from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
-from rlctl.engine.metrics import step_metrics
-from rlctl.engine.session import Session
-
-if TYPE_CHECKING:  # pragma: no cover
-    from rlctl.config.models import RunConfig
+from rlctl.engine.roles import START, ResumePoint, Roles
+from rlctl.engine.spec import LoopSpec
+from rlctl.engine.step import StepInput, train_on
 
 Observer = Callable[[int, Mapping[str, float]], None]
 
@@ -30,124 +32,99 @@ Observer = Callable[[int, Mapping[str, float]], None]
 class Checkpointer(Protocol):
     """Called after each step (rlctl.engine.snapshot.StepCheckpointer saves when one is due)."""
 
-    def after_step(self, steps_done: int, metrics: Mapping[str, float]) -> None: ...
+    def after_step(self, steps_done: int, metrics: Mapping[str, float],
+                   queue_cursor: Mapping[str, object] | None = None) -> None: ...
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoopSpec:
-    """What the loop needs to know, and nothing else of the run config."""
+class StepEnd:
+    """After every step, in every mode: log to the sinks, checkpoint, tell the observer; whether to stop.
 
-    steps: int  # total steps of the run (a resumed run starts later, ends here)
-    prompts_per_step: int  # B
-    group_size: int  # G
-    truncation_penalty: float | None = 0.0  # reward of a response cut at max_tokens (None: graded as is)
-    max_tokens: int = 0  # rollout.max_tokens: estimators that shape rewards by length read it
-    kl_coef: float = 0.0
-    kl_placement: Literal["reward", "loss"] = "loss"  # "loss" is the learner's business
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    log_every: int = 1  # sinks get every log_every-th step and the last one
-    mode: Literal["sync", "one_step_off", "async"] = "sync"  # run_sync runs sync; the others run in
-    # rlctl.engine.async_loop (rlctl.dist picks), whose AsyncSpec carries the queue and staleness settings
-    max_staleness: int = 0  # policy versions a sample may lag behind (0 in sync mode)
-    max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
-    critic_warmup_steps: int = 0  # steps that train only the critic (read only when the session has one)
-    verifier_retries: int = 0  # re-score a timed-out / crashed sample with a fresh grader up to N times
+    The run stops after the step at which the generated-token budget
+    (``train.max_generated_tokens``, counted from the loop's first step) is spent.
+    """
 
-    @classmethod
-    def from_config(cls, config: "RunConfig") -> "LoopSpec":
-        a = config.algo
-        return cls(steps=config.train.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
-                   truncation_penalty=config.rollout.truncation_penalty, max_tokens=config.rollout.max_tokens,
-                   kl_coef=a.kl.coef, kl_placement=a.kl.placement, kl_estimator=a.kl.estimator,
-                   log_every=config.train.log_every, max_generated_tokens=config.train.max_generated_tokens,
-                   critic_warmup_steps=a.critic.warmup_steps, verifier_retries=config.faults.verifier_retries,
-                   mode=config.mode, max_staleness=0 if config.mode == "sync" else config.staleness.max_staleness)
+    def __init__(self, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None,
+                 checkpoint: Checkpointer | None, heartbeat: Heartbeat) -> None:
+        self.spec, self.sinks, self.observer, self.checkpoint = spec, sinks, observer, checkpoint
+        self.heartbeat = heartbeat
+        self.generated_total = 0.0
+
+    def count(self, tokens: float) -> float:
+        """Add a step's generated tokens; the running total."""
+        self.generated_total += tokens
+        return self.generated_total
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> bool:
+        """Write the step's metrics where due; whether the budget is spent (the loop stops after this step)."""
+        spent = self.spec.spent(self.generated_total)
+        if self.spec.logs(step, spent):
+            for sink in self.sinks:
+                sink.write(step, metrics)
+        return spent
+
+    def save(self, step: int, metrics: Mapping[str, float], queue_cursor: Mapping[str, object] | None = None) -> None:
+        if self.checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
+            with self.heartbeat.phase("save", "checkpoint"):
+                self.checkpoint.after_step(step + 1, metrics, queue_cursor)
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.observer is not None:
+            self.observer(step, metrics)
 
 
-def run_sync(session: Session, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
+def drive(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], *, observer: Observer | None = None,
+          resume: ResumePoint = START, checkpoint: Checkpointer | None = None, heartbeat: Heartbeat = NO_HEARTBEAT,
+          directory: Path | None = None, recover: Callable[[], ResumePoint] | None = None,
+          store: object = None) -> dict[str, float]:
+    """Run ``roles`` from ``resume`` to ``spec.steps``: the plain loop, or the overlapped driver when the
+    placement gave the roles a fleet of rollout workers (``directory`` holds its queue; ``recover`` restores a
+    lost learner in-run); return the last step's metrics."""
+    from rlctl.engine.producers import RolloutFleet
+
+    if isinstance(roles.rollout, RolloutFleet):
+        from rlctl.engine.overlap import run_overlapped
+
+        if directory is None:
+            raise ValueError("the overlapped driver needs a directory for its trajectory queue")
+        return run_overlapped(roles, spec, directory / "queue", sinks, observer=observer, resume=resume,
+                              checkpoint=checkpoint, heartbeat=heartbeat, recover=recover, store=store)
+    if spec.mode != "sync":
+        raise ValueError(f"mode={spec.mode} needs a placement with rollout workers (rlctl.placement)")
+    return run_sync(roles, spec, sinks, observer=observer, start_step=resume.step, checkpoint=checkpoint,
+                    heartbeat=heartbeat)
+
+
+def run_sync(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
              start_step: int = 0, checkpoint: Checkpointer | None = None,
              heartbeat: Heartbeat = NO_HEARTBEAT) -> dict[str, float]:
-    """Run steps ``start_step .. spec.steps-1``; return the last step's metrics.
+    """Run steps ``start_step .. spec.steps-1`` with the run's one rollout engine; return the last step's metrics.
 
-    A resumed run passes the restored session and ``start_step`` = the
+    A resumed run passes the restored roles and ``start_step`` = the
     checkpoint's completed steps. ``heartbeat`` is told of every role call
     (rlctl.engine.heartbeat; the run's hang watchdog listens).
     """
-    s, beat = session, heartbeat.phase
-    answers = {r.id: r.answer for r in s.task.train}
-    encoded: dict[str, tuple[int, ...]] = {}
+    end = StepEnd(spec, sinks, observer, checkpoint, heartbeat)
+    sampler = Sampler(prompts=roles.cursor.next, make_request=request_encoder(roles, spec.group_size), rollout=roles.rollout,
+                      reward=roles.reward, answers={r.id: r.answer for r in roles.task.train},
+                      estimator=roles.estimator, group_size=spec.group_size, max_tokens=spec.max_tokens,
+                      truncation_penalty=spec.truncation_penalty, fresh_reward=roles.reward_factory,
+                      verifier_retries=spec.verifier_retries, pool=roles.reward_pool, heartbeat=heartbeat)
     metrics: dict[str, float] = {}
-    total_generated = 0.0  # counted from start_step: a resumed run's budget restarts there
-
-    def request(p) -> RolloutRequest:
-        return RolloutRequest(prompt_id=p.id, prompt_tokens=_encode(s, p.id, p.text, encoded),
-                              group_size=spec.group_size, sampling=s.sampling, dataset_version=s.task.version)
-
     for step in range(start_step, spec.steps):
-        sampled = sample_groups(prompts=s.cursor.next, make_request=request, rollout=s.rollout, reward=s.reward,
-                                answers=answers, estimator=s.estimator, num_prompts=spec.prompts_per_step,
-                                group_size=spec.group_size, max_tokens=spec.max_tokens,
-                                truncation_penalty=spec.truncation_penalty,
-                                fresh_reward=s.reward_factory, verifier_retries=spec.verifier_retries,
-                                pool=s.reward_pool, heartbeat=heartbeat,
-                                token_budget=None if spec.max_generated_tokens is None
-                                else spec.max_generated_tokens - total_generated)
-        scored = sampled.scored
-        total_generated += sampled.num_generated_tokens
-        trained_version = s.learner.policy_version  # unchanged by train_step when every update is skipped
-        learner_stats: dict[str, float] = {}
-        t2 = time.perf_counter()
-        if scored:
-            batch = build_batch(scored, [0.0] * len(scored), s.tokenizer.pad_token_id, s.sampling)
-            est = estimate(estimator=s.estimator, batch=batch, rewards=sampled.rewards, valid=sampled.valid,
-                           kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0,
-                           kl_estimator=spec.kl_estimator, ref_logprobs=s.learner.ref_logprobs,
-                           values=s.critic.values if s.critic else None)
-            advantages = est.advantages  # [N, T]
-            adv_stats = {**est.stats, **sampled.metrics, "generated_tokens_total": total_generated}
-            batch = replace(batch, advantages=advantages.float())
-            if s.critic is not None:  # the critic regresses onto returns of the values the advantages used
-                with beat("train", "critic"):
-                    learner_stats.update(s.critic.train_step(batch, est.returns, est.values))
-            if s.critic is None or step >= spec.critic_warmup_steps:  # the critic's warm-up leaves the policy as is
-                with beat("train", "learner"):
-                    learner_stats.update(s.learner.train_step(batch))
-            signal = advantages.abs().sum(-1)  # [N]: nonzero on the sequences that carry signal
-        else:  # dynamic sampling found no group with signal: no update (weights, optimizer and critic stay)
-            import torch
-
-            scored = sampled.seen
-            adv_stats = {**sampled.metrics, "generated_tokens_total": total_generated}
-            signal = torch.zeros(len(scored))
-        t3 = time.perf_counter()
-        if sampled.scored:
-            with beat("publish", "learner"):
-                update = s.learner.export_weights()
-            with beat("publish", "rollout"):
-                s.rollout.update_weights(update)
-        t4 = time.perf_counter()
-        metrics = step_metrics(
-            scored=scored, learner_stats=learner_stats, adv_stats=adv_stats,
-            advantages=signal,
-            verify_latencies=sampled.verify_latencies, learner_version=s.learner.policy_version,
-            times={**sampled.times, "T_l": t3 - t2, "T_s": t4 - t3}, trained_version=trained_version,
-            dropped=sampled.unscored, group_size=spec.group_size,
-        )
-        spent = spec.max_generated_tokens is not None and total_generated >= spec.max_generated_tokens
-        if step % spec.log_every == 0 or step == spec.steps - 1 or spent:
-            for sink in sinks:
-                sink.write(step, metrics)
-        if checkpoint is not None:  # after logging: a checkpoint never skips past unlogged metrics
-            with beat("save", "checkpoint"):
-                checkpoint.after_step(step + 1, metrics)
-        if observer is not None:
-            observer(step, metrics)
+        budget = None if spec.max_generated_tokens is None else spec.max_generated_tokens - end.generated_total
+        sampled = sample_groups(sampler, spec.prompts_per_step, token_budget=budget)
+        total = end.count(sampled.generated_tokens)
+        groups = len(sampled.selection.kept) // spec.group_size
+        inputs = StepInput(selection=sampled.selection, times=sampled.times, verify_latencies=sampled.verify_latencies,
+                           rollout_latencies=[sampled.times["T_r"]] * groups,
+                           driver={**sampled.metrics, "generated_tokens": float(sampled.generated_tokens),
+                                   "generated_tokens_total": total, "generated_tokens_per_s":
+                                   sampled.generated_tokens / sampled.times["T_r"] if sampled.times["T_r"] > 0
+                                   else 0.0})
+        metrics = train_on(inputs, roles, spec, step=step, heartbeat=heartbeat).metrics
+        spent = end.log(step, metrics)
+        end.save(step, metrics)
+        end.observe(step, metrics)
         if spent:
             break
     return metrics
-
-
-def _encode(session: Session, prompt_id: str, text: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    if prompt_id not in cache:
-        cache[prompt_id] = tuple(session.tokenizer(text)["input_ids"])
-    return cache[prompt_id]

@@ -10,7 +10,9 @@ response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
 nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
-logprob_mismatch_mean/max, policy_version.
+logprob_mismatch_mean/max, policy_version; and in every mode the overlap and
+driver names (``overlap_metrics``, ``DRIVER_METRICS``), 0 where a mode has
+no such thing (a synchronous run has no queue).
 """
 
 from __future__ import annotations
@@ -87,3 +89,29 @@ def _quantile(values: Sequence[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+# What a loop driver reports besides the step's own metrics; every mode writes every name (0 when it has no such
+# thing: the synchronous loop has no queue, the overlapped one no refill rounds), so runs compare name for name.
+DRIVER_METRICS = (
+    "generated_tokens", "generated_tokens_total", "groups_trained",
+    "ds_dropped_groups", "ds_refill_prompts", "ds_sample_rounds", "ds_short_groups",
+    "verifier_fail_frac", "verifier_retries", "verifier_recovered",
+    "learner_wait_s", "rollout_wait_s", "queue_depth", "queue_age_s", "queue_duplicates",
+    "queue_drops_stale", "queue_drops_ttl", "queue_drops_orphaned", "reweighted_groups",
+    "rollout_worker_failures", "requeued_prompts", "learner_restarts", "partial_carried_groups",
+)
+
+
+def overlap_metrics(*, staleness: Sequence[int], dlag: Sequence[float], latencies: Sequence[float],
+                    bound: int) -> dict[str, float]:
+    """dv, D_lag and rollout-latency percentiles plus bound violations; the same names in every mode."""
+    out: dict[str, float] = {}
+    for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
+        out[f"staleness_{label}"] = _quantile([float(x) for x in staleness], q)
+        out[f"dlag_{label}"] = _quantile(list(dlag), q)
+        out[f"rollout_latency_{label}_s"] = _quantile(list(latencies), q)
+    out["staleness_mean"] = float(sum(staleness) / len(staleness)) if staleness else 0.0
+    out["staleness_max"] = float(max(staleness, default=0))
+    out["staleness_violations"] = float(sum(1 for x in staleness if x > bound))
+    return out

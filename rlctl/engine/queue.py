@@ -36,10 +36,15 @@ cursor, so ``restore_cursor`` rebuilds them.
 
 Back-pressure: a producer ``reserve``s a slot (with the group's draw key)
 before generating; reservations plus buffered groups never exceed
-``capacity``, and a key more than ``max_ahead`` steps ahead of the learner's
-version waits (``set_version``; the overlapped driver passes its step count
-instead in the in-order modes, whose ``key_below`` counts steps too, so that a
-step leaving the policy as it was still admits the next batch). ``put`` of an
+``capacity``, and a key more than ``max_ahead`` batches ahead of the learner's
+position waits. The position is what the driver sets
+(``set_version``: the policy version in async, whose bound counts versions;
+the step count in the in-order modes, whose ``key_below`` counts steps too).
+While the learner waits in ``take``, the batch of the lowest unresolved draw
+key is admissible too: it is generated at the current version for the step
+that waits for it, so it is fresh when trained, and the window can never
+close on a learner whose version stood still (steps without an update, such
+as critic warm-up steps or steps without signal) or whose groups were dropped. ``put`` of an
 unreserved group blocks (or, with ``block=False``, raises ``QueueFull``) while
 the queue is full.
 
@@ -48,7 +53,7 @@ kept checkpoint's watermark (the overlapped driver calls it after a checkpoint
 commits). The draw keys they held stay known through ``compacted.json``, so a
 resume neither regenerates nor retrains them.
 
-What this is not: scheduling (rlctl.engine.async_loop) or transport (dist/).
+What this is not: scheduling (rlctl.engine.overlap, rlctl.engine.producers) or placement.
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ class TakeResult:
     weighted: list[str]
     staleness: list[int]
     waited_s: float
+    dropped_tokens: int = 0  # response tokens of the dropped groups (generated, never trained)
 
 
 @dataclass
@@ -297,6 +303,7 @@ class TrajectoryQueue:
         self._key_floor = 0  # every draw key below this is resolved (taken, dropped or compacted)
         self._keys_above: set[int] = set()  # resolved draw keys at or above the floor
         self._version = 0
+        self._learner_waiting = False  # a take is blocked waiting for groups (see _admissible)
         self._next_seq = 0
         self._puts = self._duplicates = 0
         self._drops = {r: 0 for r in DROP_REASONS}
@@ -431,7 +438,12 @@ class TrajectoryQueue:
             raise QueueError("the trajectory queue is closed")
         if self._occupancy() >= self.capacity:
             return False
-        return self.max_ahead is None or key // self.batch_groups <= self._version + self.max_ahead
+        if self.max_ahead is None:
+            return True
+        limit = self._version + self.max_ahead
+        if self._learner_waiting:  # the batch the learner waits for now is generated now: fresh when trained
+            limit = max(limit, self._key_floor // self.batch_groups)
+        return key // self.batch_groups <= limit
 
     def _occupancy(self) -> int:
         return len(self._pending) + len(self._reserved)
@@ -532,6 +544,7 @@ class TrajectoryQueue:
         drops = {r: 0 for r in DROP_REASONS}
         dropped: list[str] = []
         weighted: list[str] = []
+        dropped_tokens = 0
         with self._cond:
             while True:
                 now = self._clock()
@@ -559,16 +572,25 @@ class TrajectoryQueue:
                         drops[reason] += 1
                         self._drops[reason] += 1
                         dropped.append(group.group_id)
+                        dropped_tokens += group.num_tokens
                 if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below, taken)):
                     break
                 if min_groups is not None and len(taken) >= min_groups:
                     break  # partial rollout: the rest of the batch carries over
-                self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
+                if not self._learner_waiting:
+                    self._learner_waiting = True
+                    self._cond.notify_all()  # a producer held back by the window may now take the awaited batch
+                try:
+                    self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
+                except QueueError:
+                    self._learner_waiting = False
+                    raise
+            self._learner_waiting = False
             self._mark_resolved(g.key for g in taken)
             self._cond.notify_all()
         return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,
                           staleness=[current_version - g.policy_version for g in taken],
-                          waited_s=time.monotonic() - started)
+                          waited_s=time.monotonic() - started, dropped_tokens=dropped_tokens)
 
     def _all_resolved_below(self, key_below: int, taking: Sequence[Group] = ()) -> bool:
         """Every draw key below ``key_below`` is resolved, counting the groups this take holds.

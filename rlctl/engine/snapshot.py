@@ -1,7 +1,7 @@
-"""Capture a session's whole state between two steps, and restore a session from it.
+"""Capture a run's whole state between two steps, and restore its roles from it.
 
 What this is: ``StepCheckpointer`` (what the loop calls after every step: it
-decides whether a checkpoint is due, snapshots the session and hands the copy
+decides whether a checkpoint is due, snapshots the roles and hands the copy
 to a CheckpointStore, which writes it in the background), ``capture`` and
 ``restore`` (learner, data cursor, shadow batch, rollout backend, process RNG
 states), and ``compatibility_problems``, the check a resume runs before it
@@ -29,11 +29,13 @@ from rlctl.config.load import config_changes
 from rlctl.config.models import RESUME_MUTABLE_PATHS
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.roles import CheckpointableLearner, CheckpointStore, ShardedCheckpointLearner, StatefulRollout
+from rlctl.contracts.roles import (
+    CheckpointableLearner, CheckpointStore, RestartableLearner, ShardedCheckpointLearner, StatefulRollout,
+)
 from rlctl.contracts.types import CheckpointState, ShadowBatch
 from rlctl.engine import state_codec
 from rlctl.engine.batching import CursorState
-from rlctl.engine.session import Session
+from rlctl.engine.roles import ResumePoint, Roles
 
 SHADOW_PROMPTS = 4  # rows of the shadow batch: the first train prompts with their reference answers
 
@@ -49,29 +51,30 @@ class Provenance:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreReport:
-    """What ``restore`` found: the shadow forward's max |log-prob difference| and any notes."""
+    """What ``restore`` found: where the loop continues, the shadow forward's max |log-prob difference|, notes."""
 
+    resume: ResumePoint
     shadow_max_abs_diff: float
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 class StepCheckpointer:
-    """Checkpoints a session after every ``every_steps`` completed steps and after the last step.
+    """Checkpoints a run's roles after every ``every_steps`` completed steps and after the last step.
 
     ``after_step`` blocks only while the state is copied (and while a previous
     save is still in flight); the store writes the copy in the background.
     ``blocking_s`` records how long each save blocked the loop.
     """
 
-    def __init__(self, session: Session, store: CheckpointStore, provenance: Provenance, *, every_steps: int,
+    def __init__(self, roles: Roles, store: CheckpointStore, provenance: Provenance, *, every_steps: int,
                  total_steps: int) -> None:
-        if every_steps and not isinstance(session.learner, (CheckpointableLearner, ShardedCheckpointLearner)):
+        if every_steps and not isinstance(roles.learner, (CheckpointableLearner, ShardedCheckpointLearner)):
             raise CheckpointError(
-                f"learner backend {session.config.train.learner!r} cannot be checkpointed "
+                f"learner backend {roles.config.train.learner!r} cannot be checkpointed "
                 "(it has no checkpoint_state / load_checkpoint_state, nor save_shards / load_shards)",
                 "set checkpoint.every_steps=0 to train without checkpoints, or use a learner that supports them",
             )
-        self.session, self.store, self.provenance = session, store, provenance
+        self.roles, self.store, self.provenance = roles, store, provenance
         self.every_steps, self.total_steps = every_steps, total_steps
         self.blocking_s: list[float] = []
         self._shadow: TrainBatch | None = None
@@ -79,14 +82,19 @@ class StepCheckpointer:
     def due(self, steps_done: int) -> bool:
         return self.every_steps > 0 and (steps_done % self.every_steps == 0 or steps_done == self.total_steps)
 
-    def after_step(self, steps_done: int, metrics: Mapping[str, float]) -> None:
-        """Called by the loop once the step's metrics are logged; saves when a checkpoint is due."""
+    def after_step(self, steps_done: int, metrics: Mapping[str, float],
+                   queue_cursor: Mapping[str, Any] | None = None) -> None:
+        """Called by the loop once the step's metrics are logged; saves when a checkpoint is due.
+
+        ``queue_cursor``: the overlapped driver's trajectory-queue cursor, saved with the checkpoint.
+        """
         if not self.due(steps_done):
             return
         started = time.perf_counter()
         if self._shadow is None:
-            self._shadow = shadow_batch(self.session)
-        self.store.save(capture(self.session, steps_done, metrics, self.provenance, self._shadow, self.store))
+            self._shadow = shadow_batch(self.roles)
+        self.store.save(capture(self.roles, steps_done, metrics, self.provenance, self._shadow, self.store,
+                                queue_cursor))
         self.blocking_s.append(time.perf_counter() - started)
 
     def close(self, abort: bool = False) -> None:
@@ -94,66 +102,66 @@ class StepCheckpointer:
         self.store.close(abort=abort)
 
 
-def capture(session: Session, steps_done: int, metrics: Mapping[str, float], provenance: Provenance,
-            shadow: TrainBatch, store: CheckpointStore | None = None) -> CheckpointState:
+def capture(roles: Roles, steps_done: int, metrics: Mapping[str, float], provenance: Provenance,
+            shadow: TrainBatch, store: CheckpointStore | None = None,
+            queue_cursor: Mapping[str, Any] | None = None) -> CheckpointState:
     """A private copy of everything the next step depends on.
 
     A sharded learner writes its shards now, into the store's staging
     directory of this checkpoint (``store`` is required then); the store
     checksums them with the other files.
     """
-    learner = session.learner
+    learner = roles.learner
     if isinstance(learner, ShardedCheckpointLearner):
         if store is None:
-            raise CheckpointError(f"learner backend {session.config.train.learner!r} writes sharded checkpoints "
+            raise CheckpointError(f"learner backend {roles.config.train.learner!r} writes sharded checkpoints "
                                   "and needs the checkpoint store's staging directory", "pass the store to capture")
         learner_state = learner.save_shards(store.stage_shards(steps_done))
     else:
         assert isinstance(learner, CheckpointableLearner)
         learner_state = learner.checkpoint_state()
-    rollout = session.rollout
+    rollout = roles.rollout
     return CheckpointState(
         step=steps_done, learner=learner_state,
         rollout=state_codec.clone(rollout.state()) if isinstance(rollout, StatefulRollout) else None,
-        cursor={"epoch": session.cursor.state.epoch, "position": session.cursor.state.position},
+        cursor={"epoch": roles.cursor.state.epoch, "position": roles.cursor.state.position},
         rng=capture_rng(),
         shadow=ShadowBatch(input_ids=shadow.input_ids, attention_mask=shadow.attention_mask,
                            action_mask=shadow.action_mask, logprobs=learner.logprobs(shadow).float(),
                            sampling=shadow.sampling),
-        run_id=provenance.run_id, config=session.config.model_dump(mode="json"),
+        run_id=provenance.run_id, config=roles.config.model_dump(mode="json"),
         config_hash=provenance.config_hash, code_version=provenance.code_version,
-        dataset_version=session.task.version, tokenizer_hash=session.tokenizer_hash,
-        tokenizer_dir=str(session.policy_dir), metrics=dict(metrics),
-        critic=state_codec.clone(session.critic.state()) if session.critic is not None else None,
-        queue=session.queue.cursor() if session.queue is not None else session.queue_cursor,
+        dataset_version=roles.task.version, tokenizer_hash=roles.tokenizer_hash,
+        tokenizer_dir=str(roles.policy_dir), metrics=dict(metrics),
+        critic=state_codec.clone(roles.critic.state()) if roles.critic is not None else None,
+        queue=dict(queue_cursor) if queue_cursor is not None else None,
     )
 
 
-def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -> RestoreReport:
-    """Put ``session`` exactly where it was when ``state`` was captured (see the module docstring)."""
-    learner = session.learner
+def restore(roles: Roles, state: CheckpointState, shadow_tolerance: float) -> RestoreReport:
+    """Put ``roles`` exactly where it was when ``state`` was captured (see the module docstring)."""
+    learner = roles.learner
     if state.learner.shard_dir is not None:
         if not isinstance(learner, ShardedCheckpointLearner):
             raise CheckpointError(f"the checkpoint of step {state.step} is sharded (its ranks wrote shards/) and "
-                                  f"learner backend {session.config.train.learner!r} cannot load shards",
+                                  f"learner backend {roles.config.train.learner!r} cannot load shards",
                                   "resume with the sharded learner the run was trained with (any world size), or "
                                   "`rlctl export --hf` the checkpoint and start a new run from the export")
         learner.load_shards(state.learner)
     elif isinstance(learner, CheckpointableLearner):
         learner.load_checkpoint_state(state.learner)
     else:
-        raise CheckpointError(f"learner backend {session.config.train.learner!r} cannot load a checkpoint "
+        raise CheckpointError(f"learner backend {roles.config.train.learner!r} cannot load a checkpoint "
                               f"of step {state.step} (it holds full weights, not shards)",
                               "resume with the learner the run was trained with")
-    if (state.critic is None) != (session.critic is None):
+    if (state.critic is None) != (roles.critic is None):
         raise CheckpointError(
             "the checkpoint " + ("has no critic but this run needs one" if state.critic is None
                                  else "holds a critic but this run's estimator uses none"),
             "resume with the algo.name the run was trained with")
-    if session.critic is not None:
-        session.critic.load_state(state.critic)
-    session.cursor.state = _cursor(state.cursor, len(session.cursor.records))
-    session.queue_cursor = state.queue  # applied when the trajectory queue opens (or re-applied by the driver)
+    if roles.critic is not None:
+        roles.critic.load_state(state.critic)
+    roles.cursor.state = _cursor(state.cursor, len(roles.cursor.records))
     drift = shadow_drift(learner, state.shadow)
     if not drift <= shadow_tolerance:
         raise CheckpointError(
@@ -162,16 +170,36 @@ def restore(session: Session, state: CheckpointState, shadow_tolerance: float) -
             "the restored learner does not reproduce the saved policy; check the code version and device, or "
             "raise checkpoint.shadow_tolerance if a different device explains the difference",
         )
-    session.rollout.update_weights(learner.export_weights())  # before the first generation
+    roles.rollout.update_weights(learner.export_weights())  # before the first generation
     notes = []
     if state.rollout is not None:
-        if isinstance(session.rollout, StatefulRollout):
-            session.rollout.load_state(state.rollout)
+        if isinstance(roles.rollout, StatefulRollout):
+            roles.rollout.load_state(state.rollout)
         else:
-            notes.append(f"rollout backend {session.config.rollout.backend!r} keeps no state; its sampler was "
+            notes.append(f"rollout backend {roles.config.rollout.backend!r} keeps no state; its sampler was "
                          "not restored, so sampling will differ from an uninterrupted run")
     restore_rng(state.rng)
-    return RestoreReport(shadow_max_abs_diff=drift, notes=tuple(notes))
+    return RestoreReport(resume=ResumePoint(state.step, state.queue), shadow_max_abs_diff=drift, notes=tuple(notes))
+
+
+def recover_newest(roles: Roles, store: CheckpointStore, shadow_tolerance: float) -> ResumePoint:
+    """Restore a restarted learner from the newest committed checkpoint (the run's start when there is none yet).
+
+    The overlapped driver calls it when the learner was lost mid-run; the
+    save in flight either commits first or is not a checkpoint.
+    """
+    try:
+        store.wait()
+    except CheckpointError:
+        pass
+    committed = store.list_committed()
+    if not committed:
+        if isinstance(roles.learner, RestartableLearner):  # a restarted actor waits to be told
+            roles.learner.accept_initial_state()
+        roles.rollout.update_weights(roles.learner.export_weights())
+        return ResumePoint(0)
+    path, _ = committed[-1]
+    return restore(roles, store.load(path), shadow_tolerance).resume
 
 
 def compatibility_problems(state: CheckpointState, *, config: Mapping[str, Any] | None = None,
@@ -197,13 +225,13 @@ def compatibility_problems(state: CheckpointState, *, config: Mapping[str, Any] 
     return problems
 
 
-def shadow_batch(session: Session) -> TrainBatch:
+def shadow_batch(roles: Roles) -> TrainBatch:
     """The fixed shadow batch: the first train prompts followed by their reference answers."""
     import torch
 
-    tok = session.tokenizer
+    tok = roles.tokenizer
     rows = []
-    for record in session.task.train[:SHADOW_PROMPTS]:
+    for record in roles.task.train[:SHADOW_PROMPTS]:
         answer = list(tok(record.answer, add_special_tokens=False)["input_ids"])
         rows.append((list(tok(record.text)["input_ids"]), answer + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
     n, width = len(rows), max(len(p) + len(a) for p, a in rows)
@@ -214,7 +242,7 @@ def shadow_batch(session: Session) -> TrainBatch:
         ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         attention[i, : len(prompt) + len(answer)] = 1
         action[i, len(prompt): len(prompt) + len(answer)] = 1.0
-    return _train_batch(ids, attention, action, session.sampling)
+    return _train_batch(ids, attention, action, roles.sampling)
 
 
 def shadow_drift(learner: Any, shadow: ShadowBatch) -> float:

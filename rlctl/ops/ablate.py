@@ -134,7 +134,7 @@ def run_ablation(p: Plan, *, name: str, registry: Registry, plugins: Plugins, ho
     """Train and grade every (cell, seed) not yet done; return the ablation (status succeeded)."""
     from rlctl.registry.ablations import AblationStore
 
-    from rlctl.engine.session import build_estimator
+    from rlctl.placement.build import build_estimator
 
     cb = callbacks or AblateCallbacks()
     for cell in p.cells:  # plugin names and options of every cell, before any training
@@ -218,7 +218,7 @@ def _run_one(p: Plan, ablation_id: str, spec: dict[str, Any], cell: Cell, seed: 
 
 def _warm_start(base: RunConfig, plugins: Plugins, home: Path) -> tuple[Path, Sequence[Any]]:
     """The one starting policy of every run, and the hidden-split prompts every run is graded on."""
-    from rlctl.engine.session import load_task, resolve_policy_dir
+    from rlctl.placement.build import load_task, resolve_policy_dir
 
     task = load_task(base, plugins)
     records = task.split("hidden")
@@ -229,7 +229,7 @@ def _warm_start(base: RunConfig, plugins: Plugins, home: Path) -> tuple[Path, Se
 
 def _grade(config: RunConfig, policy_dir: Path, plugins: Plugins, records: Sequence[Any]) -> list[int]:
     from rlctl.engine.eval import grade_policy
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
 
     return list(grade_policy("policy", policy_dir, config, plugins, load_task(config, plugins), records).correct)
 

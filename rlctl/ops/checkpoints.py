@@ -7,7 +7,7 @@ every checksum verifies (falling back to older ones with a warning naming the
 bad file), reconciles the registry's checkpoint rows with the directory,
 refuses an incompatible resume (changed config outside the allowed list,
 dataset, tokenizer, model shape) unless ``allow_config_change``, restores the
-session (learner, cursor, shadow check, rollout weights, RNG), drops the
+roles (learner, cursor, shadow check, rollout weights, RNG), drops the
 registry metrics of the steps about to be re-run, records a ``resumed`` event
 and continues the same run id. ``export()`` resolves a checkpoint reference
 and writes a plain Hugging Face directory.
@@ -42,8 +42,9 @@ def resume(run_ref: str, *, registry: Registry, plugins: Plugins, home: Path, co
            overrides: Iterable[str] = (), allow_config_change: bool = False,
            callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Continue run ``run_ref`` from its newest verified checkpoint; see the module docstring."""
-    from rlctl.engine.session import build_session, load_task
     from rlctl.engine.snapshot import compatibility_problems, restore
+    from rlctl.placement import place
+    from rlctl.placement.build import load_task
 
     run = Run.reopen(run_ref, registry=registry, plugins=plugins, callbacks=callbacks, started=time.perf_counter())
     with run.preparing():
@@ -55,17 +56,16 @@ def resume(run_ref: str, *, registry: Registry, plugins: Plugins, home: Path, co
         task = load_task(config, plugins)
         check = lambda problems: _refuse_or_warn(problems, allow_config_change, run.warn)  # noqa: E731
         check(compatibility_problems(state, config=config.model_dump(mode="json"), dataset_version=task.version))
-        session = run.adopt(build_session(config, plugins, cache_root=home / "cache", task=task,
-                                          progress=run.cb.warm_start))
-        check(compatibility_problems(state, tokenizer_hash=session.tokenizer_hash))
+        roles = run.adopt(place(config, plugins, cache_root=home / "cache", task=task, progress=run.cb.warm_start))
+        check(compatibility_problems(state, tokenizer_hash=roles.tokenizer_hash))
         if state.code_version != (now := code_version()):
             run.warn(f"the code changed since checkpoint step {state.step} ({state.code_version} -> {now})")
-        report = restore(session, state, config.checkpoint.shadow_tolerance)
+        report = restore(roles, state, config.checkpoint.shadow_tolerance)
         for note in report.notes:
             run.warn(note)
         run.mark_resumed(state, path, config, {"shadow_max_abs_diff": report.shadow_max_abs_diff,
                                                "skipped": skipped})
-    return run.execute(start_step=state.step, resumed_from=path)
+    return run.execute(resume=report.resume, resumed_from=path)
 
 
 def resume_config(state: CheckpointState, config_path: Path | None, overrides: Iterable[str]) -> RunConfig:

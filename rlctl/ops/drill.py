@@ -135,7 +135,7 @@ class _Driller:
         if not hasattr(self, "_policy_dir"):
             from rlctl.cli._options import rlctl_home
             from rlctl.config.load import load_config
-            from rlctl.engine.session import load_task, resolve_policy_dir
+            from rlctl.placement.build import load_task, resolve_policy_dir
             from rlctl.hooks.manager import load_plugins
 
             cfg = load_config(self.config or self._blank_config(), [*DRILL_OVERRIDES, *self.overrides])

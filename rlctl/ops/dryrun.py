@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 
 from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import ConfigError
+from rlctl.contracts.roles import ShardedLearnerOptions, ZeroStagedOptions
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
 from rlctl.ops.memory import (PHASES, DeviceLedger, Placement, Strategy, Workload, fmt_bytes, kv_budget_rows,
@@ -108,7 +109,7 @@ class DryrunReport:
 
 def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptions) -> DryrunReport:
     """Checks, ledgers per placement, and (unless disabled) a measured smoke step."""
-    from rlctl.engine.session import build_estimator
+    from rlctl.placement.build import build_estimator
 
     checks, task, tokenizer, prompt_max = validate(config, plugins, home)
     shape = resolve_shape(options.shape) if options.shape else config_shape(config, tokenizer)
@@ -166,7 +167,7 @@ def world_size_notes(config: RunConfig, places: Sequence[Any], gpu: bool) -> lis
 def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Check], Any, Any, int]:
     """Plugins and options, task data, tokenizer; raises the first real error (as train would)."""
     from rlctl.config.load import validate_options
-    from rlctl.engine.session import build_reward, load_task
+    from rlctl.placement.build import build_reward, load_task
 
     checks = [Check("config", True, "schema and cross-field rules")]
     for kind, name, opts, where in (
@@ -178,7 +179,7 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
     for i, (sink, opts) in enumerate(sink_specs(config.train.metric_sinks)):
         validate_options(plugins.get("metric_sink", sink).options, opts, f"train.metric_sinks.{i}.options")
-    from rlctl.engine.session import build_estimator
+    from rlctl.placement.build import build_estimator
 
     estimator = build_estimator(config, plugins)
     checks.append(Check("plugin advantage_estimator", True, f"{config.algo.name!r} from "
@@ -274,7 +275,7 @@ def sharding_learners(plugins: Plugins, stage: int) -> list[str]:
             continue
         if not isinstance(opts, LearnerMemoryTerms):
             continue
-        stages = opts.zero_stages() if callable(getattr(opts, "zero_stages", None)) else ()
+        stages = opts.zero_stages() if isinstance(opts, ZeroStagedOptions) else ()
         if stage in stages or opts.memory_terms(gpu_plan=True).zero_stage == stage:
             out.append(name)
     return out
@@ -421,35 +422,37 @@ def smoke_config(config: RunConfig, task: Any, home: Path) -> tuple[RunConfig, b
 
 
 def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, options: DryrunOptions) -> SmokeResult:
-    from rlctl.engine.loop import LoopSpec, run_sync
-    from rlctl.engine.session import build_session
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.placement import place
 
     cfg, untrained = smoke_config(config, task, home)
-    session = build_session(cfg, plugins, cache_root=home / "cache", task=task)
-    meter = make_meter(session)
-    session.rollout = _Phased(session.rollout, meter, {"generate": "rollout", "update_weights": "sync"})
-    session.learner = _Phased(session.learner, meter, {"train_step": "train", "export_weights": "sync",
-                                                       "ref_logprobs": "train"})
-    if session.critic is not None:
-        session.critic = _Phased(session.critic, meter, {"train_step": "critic", "values": "critic"})
-    started = time.perf_counter()
-    longest = [1.0]  # longest response the smoke steps actually generated
-
-    def observe(step: int, step_metrics: Any) -> None:
-        longest.append(float(step_metrics.get("response_length_max", 1.0)))
-
+    placement = place(cfg, plugins, cache_root=home / "cache", task=task)
     try:
+        roles = placement.roles
+        meter = make_meter(roles)
+        metered = replace(roles, rollout=_Phased(roles.rollout, meter, {"generate": "rollout", "update_weights": "sync"}),
+                          learner=_Phased(roles.learner, meter, {"train_step": "train", "export_weights": "sync",
+                                                                 "train_step_with_logprobs": "train",
+                                                                 "ref_logprobs": "train"}),
+                          critic=None if roles.critic is None else _Phased(roles.critic, meter, {
+                              "train_step": "critic", "values": "critic"}))
+        started = time.perf_counter()
+        longest = [1.0]  # longest response the smoke steps actually generated
+
+        def observe(step: int, step_metrics: Any) -> None:
+            longest.append(float(step_metrics.get("response_length_max", 1.0)))
+
         with meter:
-            metrics = run_sync(session, LoopSpec.from_config(cfg), [], observe)
+            metrics = run_sync(metered, LoopSpec.from_config(cfg), [], observe)
     finally:
-        session.rollout.close()
-        if session.reward_pool is not None:
-            session.reward_pool.close()
+        placement.close()
     wall = time.perf_counter() - started
-    tokenizer_vocab = len(session.tokenizer)
-    shape = config_shape(cfg, session.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
-    prompt_max = max(len(session.tokenizer(p.text)["input_ids"]) for p in task.train)
-    roles = role_memory(cfg, plugins, gpu_plan=False)
+    tokenizer_vocab = len(roles.tokenizer)
+    shape = config_shape(cfg, roles.tokenizer) if not cfg.model.builtin else builtin_shape(cfg.model, tokenizer_vocab)
+    prompt_max = max(len(roles.tokenizer(p.text)["input_ids"]) for p in task.train)
+    memory = role_memory(cfg, plugins, gpu_plan=False)
+    critic = roles.critic is not None
     # The meter sees this process: with a sharded learner that is rank 0 (its 1/N of the sharded terms, the
     # rollout engine, the full activations), so the ledger it is held against is one device of N at the
     # learner's own ZeRO stage; otherwise one unsharded device.
@@ -457,11 +460,11 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
 
     learner_opts = validate_options(plugins.get("learner_backend", cfg.train.learner).options,
                                     cfg.train.learner_options, "train.learner_options")
-    ranks = int(getattr(learner_opts, "world_size", 1) or 1)
-    strat = strategy(replace(options, shape=None, zero_stage=None if ranks > 1 else 0), roles, gpu=False)
+    ranks = learner_opts.world_size if isinstance(learner_opts, ShardedLearnerOptions) else 1
+    strat = strategy(replace(options, shape=None, zero_stage=None if ranks > 1 else 0), memory, gpu=False)
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
-    observed = replace(workload(cfg, prompt_max, roles, critic=session.critic is not None, shape=shape),
+    observed = replace(workload(cfg, prompt_max, memory, critic=critic, shape=shape),
                        response_tokens=max(1, int(max(longest))))
     dev = ledger(shape, observed, strat, Placement("colocate", ranks, ranks, ranks), host_memory_bytes(),
                  advise=False)[0]
@@ -503,16 +506,16 @@ class _Phased:
         return call
 
 
-def make_meter(session: Any) -> "_Meter":
-    on_cuda = any(t.device.type == "cuda" for ts in session.learner.resident_tensors().values() for t in ts)
-    return _CudaMeter(session) if on_cuda else _DispatchMeter(session)
+def make_meter(roles: Any) -> "_Meter":
+    on_cuda = any(t.device.type == "cuda" for ts in roles.learner.resident_tensors().values() for t in ts)
+    return _CudaMeter(roles) if on_cuda else _DispatchMeter(roles)
 
 
 class _Meter:
     kind = ""
 
-    def __init__(self, session: Any) -> None:
-        self.session = session
+    def __init__(self, roles: Any) -> None:
+        self.roles = roles
         self.peaks: dict[str, int] = {}
         self.persistent: dict[str, int] = {}
 
@@ -523,7 +526,7 @@ class _Meter:
             yield
         finally:
             self.peaks[name] = max(self.peaks.get(name, 0), self._end())
-            self.persistent = persistent_bytes(self.session)
+            self.persistent = persistent_bytes(self.roles)
 
     def __enter__(self) -> "_Meter":
         return self
@@ -559,14 +562,14 @@ class _DispatchMeter(_Meter):
 
     kind = "live tensor bytes (TorchDispatchMode)"
 
-    def __init__(self, session: Any) -> None:
-        super().__init__(session)
+    def __init__(self, roles: Any) -> None:
+        super().__init__(roles)
         self.live = self.peak = 0
         self._keys: set[int] = set()
         self._mode: Any = None
 
     def __enter__(self) -> "_DispatchMeter":
-        for tensor in role_tensors(self.session):
+        for tensor in role_tensors(self.roles):
             self._add(tensor)
         self._mode = _live_mode(self)
         self._mode.__enter__()
@@ -629,17 +632,17 @@ def _storage(tensor: Any) -> Any:
     return storage
 
 
-def role_tensors(session: Any) -> list[Any]:
+def role_tensors(roles: Any) -> list[Any]:
     """Every tensor the roles report holding between calls (parameters, gradients, optimizer state...)."""
-    return [t for role in _roles(session) for ts in role.resident_tensors().values() for t in ts]
+    return [t for role in _roles(roles) for ts in role.resident_tensors().values() for t in ts]
 
 
-def _roles(session: Any) -> list[Any]:
+def _roles(roles: Any) -> list[Any]:
     """The roles holding tensors in this process: rollout, learner and (when the run has one) the critic."""
-    return [session.rollout, session.learner] + ([session.critic] if session.critic is not None else [])
+    return [roles.rollout, roles.learner] + ([roles.critic] if roles.critic is not None else [])
 
 
-def persistent_bytes(session: Any) -> dict[str, int]:
+def persistent_bytes(roles: Any) -> dict[str, int]:
     """Measured sizes of the ledger's persistent terms (unique storages), as the roles name them."""
 
     def size(tensors: Any) -> int:
@@ -647,7 +650,7 @@ def persistent_bytes(session: Any) -> dict[str, int]:
         return sum(seen.values())
 
     out = {}
-    for role in _roles(session):
+    for role in _roles(roles):
         for term, tensors in role.resident_tensors().items():
             out[term] = size(tensors)
     return out

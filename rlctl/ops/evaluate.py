@@ -48,7 +48,7 @@ def evaluate_run(registry: Registry, plugins: Plugins, run_id: str, split: str |
 def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], split: str | None = None,
                   num_prompts: int | None = None, progress: Callable[[str], None] | None = None) -> GroupEval:
     from rlctl.engine.eval import grade_policy, paired_bootstrap, pooled_bootstrap
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
 
     if not run_ids:
         raise RegistryError("no runs to evaluate", "name at least one run id")

@@ -12,7 +12,7 @@ loop. It
   groups, verifier retries, rollout worker failures) into registry events, so
   no recovery is silent;
 - after ``faults.nan_rollback_after`` NaN/Inf-skipped steps in a row, rolls the
-  session back to the newest committed checkpoint, lowers the learning rate by
+  run back to the newest committed checkpoint, lowers the learning rate by
   ``faults.rollback_lr_factor`` and requires the next step (the canary) to be
   finite; a failed canary or too many rollbacks stop the run with the runbook
   to open;
@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
+from rlctl.engine.roles import ResumePoint
 from rlctl.ops.triggers import History
 from rlctl.ops.watchdog import HangError, Watchdog
 
@@ -52,11 +53,11 @@ class NanRollback(Exception):
 class RunGuard:
     """See the module docstring. ``run(loop, start_step)`` runs the loop with rollback handling."""
 
-    def __init__(self, session: Any, run_id: str, directory: Path, registry: Any, plugins: Any,
+    def __init__(self, roles: Any, run_id: str, directory: Path, registry: Any, plugins: Any,
                  warn: Callable[[str], None], start_step: int = 0) -> None:
-        self.session, self.run_id, self.directory = session, run_id, directory
+        self.roles, self.run_id, self.directory = roles, run_id, directory
         self.registry, self.plugins, self.warn = registry, plugins, warn
-        self.config = session.config.faults
+        self.config = roles.config.faults
         self._step = start_step  # the step running now (the fault window is checked against it)
         self.nan_streak = 0
         self.last_nan_count: float | None = None
@@ -115,7 +116,7 @@ class RunGuard:
     def _arm_one(self, index: int, spec: Any, fired: set[int] | None, where: str) -> None:
         fault = self.plugins.build("fault", spec.kind, spec.options, where)
         armed = ArmedFault(index=index, kind=spec.kind, options=spec.options, where=where, at_step=spec.at_step,
-                           count=_count(spec), rate=spec.rate, target=spec.target, seed=self.session.config.run.seed)
+                           count=_count(spec), rate=spec.rate, target=spec.target, seed=self.roles.config.run.seed)
         ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=armed.count, rate=spec.rate,
                            target=spec.target, options=spec.options, seed=armed.seed,
                            step=lambda: self.step, record=self._recorder(index), fired_steps=fired, index=index)
@@ -218,10 +219,10 @@ class RunGuard:
 
     # -- NaN rollback ------------------------------------------------------
 
-    def run(self, loop: Callable[[int], dict[str, float]], start_step: int, checkpointer: Any = None
+    def run(self, loop: Callable[[ResumePoint], dict[str, float]], start: ResumePoint, checkpointer: Any = None
             ) -> dict[str, float]:
-        """Run ``loop(first_step)``; on NanRollback restore the newest committed checkpoint and continue."""
-        first = start_step
+        """Run ``loop(start)``; on NanRollback restore the newest committed checkpoint and continue from it."""
+        first = start
         while True:
             try:
                 return loop(first)
@@ -267,7 +268,7 @@ class RunGuard:
                             "set checkpoint.every_steps; see `rlctl runbook show reward-drop-or-nan`")
         return chosen[0], chosen[1], skipped
 
-    def _roll_back(self, step: int, streak_start: int, checkpointer: Any) -> int:
+    def _roll_back(self, step: int, streak_start: int, checkpointer: Any) -> ResumePoint:
         from rlctl.contracts.roles import LrScalable
         from rlctl.engine.snapshot import restore
 
@@ -279,8 +280,8 @@ class RunGuard:
         if checkpointer is not None:
             checkpointer.close()
         path, state, skipped = self._last_good(streak_start)
-        restore(self.session, state, self.session.config.checkpoint.shadow_tolerance)
-        learner = self.session.learner
+        report = restore(self.roles, state, self.roles.config.checkpoint.shadow_tolerance)
+        learner = self.roles.learner
         new_lr = learner.scale_lr(self.config.rollback_lr_factor) if isinstance(learner, LrScalable) else None
         self.registry.delete_metrics_from(self.run_id, state.step)
         self.rollbacks += 1
@@ -294,7 +295,7 @@ class RunGuard:
             + "; the next step is the canary"), {"step": step, "to_step": state.step, "checkpoint": path,
                                                  "lr": new_lr, "rollbacks": self.rollbacks, "skipped": skipped})
         self.warn(f"NaN rollback #{self.rollbacks}: back to step {state.step} with a lower learning rate")
-        return state.step
+        return report.resume
 
     # -- hang ----------------------------------------------------------------
 

@@ -17,7 +17,7 @@ Rules it keeps:
 - the checkpoint directories are the truth: the registry's checkpoint rows
   are indexed after each commit and reconciled with the directory on resume.
 
-What this is not: building roles (rlctl.engine.session), the loop
+What this is not: building roles (rlctl.placement), the loop
 (rlctl.engine.loop) or what a resume may change (rlctl.ops.checkpoints).
 """
 
@@ -26,14 +26,15 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from rlctl.config.load import config_hash
 from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import CheckpointError, RlctlError
-from rlctl.contracts.roles import ClosableLearner
 from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecord, RunRecord
+from rlctl.engine.roles import START, ResumePoint
 from rlctl.engine.rundir import RunDir, RunLock
 from rlctl.hooks.manager import Plugins
 from rlctl.ops.provenance import code_version
@@ -41,7 +42,8 @@ from rlctl.registry.store import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlctl.engine.checkpoint import DiskCheckpointStore
-    from rlctl.engine.session import Session
+    from rlctl.engine.roles import Roles
+    from rlctl.placement import Placement
 
 
 @dataclass
@@ -89,23 +91,31 @@ class Run:
         self.cb = callbacks or TrainCallbacks()
         self.started = time.perf_counter()
         self._lock, self._new = lock, new
-        self.session: "Session | None" = None
+        self._placement: "Placement | None" = None
         self._guard: Any = None  # rlctl.ops.recovery.RunGuard while the loop runs
+        self._sinks: list[Any] = []
+        self._checkpointer: Any = None
 
     # -- opening -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, session: "Session", *, registry: Registry, plugins: Plugins, home: Path,
+    def create(cls, placement: "Placement", *, registry: Registry, plugins: Plugins, home: Path,
                run_dir: Path | None, callbacks: TrainCallbacks | None, started: float) -> "Run":
         """Record a new run with its provenance; its directory is ``run_dir`` or ``<home>/runs/<id>``."""
-        config = session.config
-        record = registry.create_run(
-            name=config.run.name, config=config.model_dump(mode="json"), config_hash=config_hash(config),
-            code_version=code_version(), dataset_version=session.task.version,
-            tokenizer_hash=session.tokenizer_hash, seed=config.run.seed, run_dir=str(run_dir) if run_dir else "")
+        roles = placement.roles
+        config = roles.config
+        try:
+            record = registry.create_run(
+                name=config.run.name, config=config.model_dump(mode="json"), config_hash=config_hash(config),
+                code_version=code_version(), dataset_version=roles.task.version,
+                tokenizer_hash=roles.tokenizer_hash, seed=config.run.seed, run_dir=str(run_dir) if run_dir else "")
+        except BaseException:
+            placement.close()
+            raise
         run = cls(record, RunDir(run_dir or home / "runs" / record.id), registry=registry, plugins=plugins,
                   callbacks=callbacks, new=True)
-        run.started, run.session = started, session
+        run.started = started
+        run.adopt(placement)
         return run
 
     @classmethod
@@ -123,21 +133,29 @@ class Run:
 
     @contextlib.contextmanager
     def preparing(self) -> Iterator["Run"]:
-        """Until ``execute``: a failure closes the adopted rollout and releases the lock."""
+        """Until ``execute``: a failure ends the adopted roles and releases the lock."""
         try:
             yield self
         except BaseException:
-            if self.session is not None:
-                self.session.rollout.close()
-                if self.session.reward_pool is not None:
-                    self.session.reward_pool.close()
+            if self._placement is not None:
+                self._placement.close()
             if self._lock is not None:
                 self._lock.release()
             raise
 
-    def adopt(self, session: "Session") -> "Session":
-        self.session = session
-        return session
+    def adopt(self, placement: "Placement") -> "Roles":
+        """Own ``placement`` (the run closes it when it ends); its roles."""
+        self._placement = placement
+        return placement.roles
+
+    @property
+    def placement(self) -> "Placement":
+        assert self._placement is not None, "adopt a placement before execute"
+        return self._placement
+
+    @property
+    def roles(self) -> "Roles":
+        return self.placement.roles
 
     # -- events --------------------------------------------------------------------------------
 
@@ -189,55 +207,19 @@ class Run:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def execute(self, *, start_step: int = 0, resumed_from: str | None = None) -> TrainResult:
-        """Run the adopted session's loop from ``start_step`` to the end, then evaluate if configured."""
-        from rlctl.engine.loop import LoopSpec, run_sync
-        from rlctl.ops.recovery import RunGuard
-
-        session = self.session
-        assert session is not None, "adopt a session before execute"
-        config, run_id = session.config, self.record.id
-        sinks: list[Any] = []
-        checkpointer = None
+    def execute(self, *, resume: ResumePoint = START, resumed_from: str | None = None) -> TrainResult:
+        """Run the adopted roles' loop from ``resume`` to the end, then evaluate if configured."""
+        roles = self.roles
+        config, run_id = roles.config, self.record.id
+        self._sinks, self._checkpointer = [], None
         status, last = "failed", {}
         with _sigterm_as_interrupt():
             try:
-                self._start_files(session)
-                if self.cb.run_started:
-                    self.cb.run_started(self.record)
-                sinks = [RegistrySink(self.registry, run_id)] + [
-                    self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
-                                       run_dir=self.dir.root, run_id=run_id)
-                    for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
-                checkpointer = self._checkpointer(session)
-                self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
-                # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.ops.recovery)
-                self._guard = RunGuard(session, run_id, self.dir.root, self.registry, self.plugins, self.warn,
-                                       start_step).start()
-                if self.cb.start:
-                    self.cb.start(start_step, config.train.steps, config.train.log_every)
-                from rlctl.dist import needs_overlap, run_overlapped
-
-                spec = LoopSpec.from_config(config)
-                if needs_overlap(config):  # one_step_off / async, or any mode on Ray: the overlapped driver,
-                    # under the same guard (NaN rollback re-enters it from the restored checkpoint and queue cursor)
-                    last = self._guard.run(lambda first: run_overlapped(
-                        session, self.plugins, self.dir.root, sinks, self._on_step, start_step=first,
-                        checkpoint=checkpointer, store=checkpointer.store, heartbeat=self._guard.heartbeat),
-                        start_step, checkpointer)
-                else:
-                    last = self._guard.run(lambda first: run_sync(session, spec, sinks, self._on_step,
-                                                                  start_step=first, checkpoint=checkpointer,
-                                                                  heartbeat=self._guard.heartbeat),
-                                           start_step, checkpointer)
-                with self._guard.heartbeat.phase("save", "checkpoint"):  # the last save, the final policy
-                    checkpointer.close()
-                    self.dir.write_model_dir(self.dir.final_policy, session.learner.save_pretrained,
-                                             session.tokenizer.save_pretrained)
+                last = self._train(roles, resume)
                 status = "succeeded"
             except KeyboardInterrupt:
                 status = "interrupted"
-                self._close_quietly(checkpointer)
+                self._close_quietly(self._checkpointer)
                 newest = self.dir.newest_step()
                 where = (f"resume from step {newest} with `rlctl resume {run_id}`" if newest is not None
                          else "no committed checkpoint yet, so it cannot be resumed")
@@ -245,37 +227,76 @@ class Run:
                            {"resumable": newest is not None, "checkpoint_step": newest})
                 raise
             except BaseException as err:
-                self._close_quietly(checkpointer)
+                self._close_quietly(self._checkpointer)
                 self.registry.update_run(run_id, status="failed", error=f"{type(err).__name__}: {err}")
                 self.event("failed", f"{type(err).__name__}: {err}")
                 raise
             finally:
-                if self._guard is not None:
-                    self._guard.close()
-                for sink in sinks:
-                    sink.close()
-                if status != "failed":
-                    self.registry.update_run(run_id, status=status)
-                self.plugins.pm.hook.on_run_end(run_id=run_id, status=status)
-                session.rollout.close()
-                if session.reward_pool is not None:
-                    session.reward_pool.close()
-                if isinstance(session.learner, ClosableLearner):  # a sharded learner's ranks (local or Ray)
-                    session.learner.close()
-                if self._lock is not None:
-                    self._lock.release()
-        return self._finish(config, last, start_step, resumed_from)
+                self._end(status)
+        return self._finish(config, last, resume.step, resumed_from)
 
-    def _start_files(self, session: "Session") -> None:
+    def _train(self, roles: "Roles", resume: ResumePoint) -> dict[str, float]:
+        """Sinks, checkpointer, hooks and the run's guard around the loop; the final save; the last metrics."""
+        from rlctl.engine.loop import drive
+        from rlctl.engine.snapshot import recover_newest
+        from rlctl.engine.spec import LoopSpec, ignored_options
+        from rlctl.ops.recovery import RunGuard
+
+        config, run_id = roles.config, self.record.id
+        self._start_files(roles)
+        if self.cb.run_started:
+            self.cb.run_started(self.record)
+        for note in ignored_options(config):
+            self.warn(note)
+        self._sinks = [RegistrySink(self.registry, run_id)] + [
+            self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
+                               run_dir=self.dir.root, run_id=run_id)
+            for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
+        checkpointer = self._checkpointer = self._make_checkpointer(roles)
+        self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
+        # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.ops.recovery)
+        guard = self._guard = RunGuard(roles, run_id, self.dir.root, self.registry, self.plugins, self.warn,
+                                       resume.step).start()
+        if self.cb.start:
+            self.cb.start(resume.step, config.train.steps, config.train.log_every)
+        spec = LoopSpec.from_config(config)
+        recover = partial(recover_newest, roles, checkpointer.store, config.checkpoint.shadow_tolerance)
+        # the same guard in every mode: a NaN rollback re-enters the loop from the restored resume point
+        last = guard.run(lambda point: drive(
+            roles, spec, self._sinks, observer=self._on_step, resume=point, checkpoint=checkpointer,
+            heartbeat=guard.heartbeat, directory=self.dir.root, recover=recover, store=checkpointer.store),
+            resume, checkpointer)
+        with guard.heartbeat.phase("save", "checkpoint"):  # the last save, the final policy
+            checkpointer.close()
+            self.dir.write_model_dir(self.dir.final_policy, roles.learner.save_pretrained,
+                                     roles.tokenizer.save_pretrained)
+        return last
+
+    def _end(self, status: str) -> None:
+        """Whatever happened: stop the guard, close the sinks, record the status, end every role, unlock."""
+        try:
+            if self._guard is not None:
+                self._guard.close()
+            for sink in self._sinks:
+                sink.close()
+            if status != "failed":
+                self.registry.update_run(self.record.id, status=status)
+            self.plugins.pm.hook.on_run_end(run_id=self.record.id, status=status)
+        finally:
+            self.placement.close()
+            if self._lock is not None:
+                self._lock.release()
+
+    def _start_files(self, roles: "Roles") -> None:
         """A new run records its directory and writes its files; then the directory is locked."""
         if self._new:
             if not self.record.run_dir:
                 self.record = self.registry.update_run(self.record.id, run_dir=str(self.dir.root))
             r = self.record
-            self.dir.write_run_files(session.config.model_dump(mode="json"), {
+            self.dir.write_run_files(roles.config.model_dump(mode="json"), {
                 "run_id": r.id, "config_hash": r.config_hash, "code_version": r.code_version,
                 "dataset_version": r.dataset_version, "tokenizer_hash": r.tokenizer_hash, "seed": r.seed,
-                "initial_policy": str(session.policy_dir)})
+                "initial_policy": str(roles.policy_dir)})
         self._lock = self._lock or self.dir.lock()
 
     def _on_step(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -285,12 +306,12 @@ class Run:
         if self._guard is not None:
             self._guard.on_step_end(step, metrics)  # may raise NanRollback: the guard re-runs from a checkpoint
 
-    def _checkpointer(self, session: "Session") -> Any:
+    def _make_checkpointer(self, roles: "Roles") -> Any:
         from rlctl.engine.snapshot import Provenance, StepCheckpointer
 
-        config = session.config
+        config = roles.config
         provenance = Provenance(run_id=self.record.id, config_hash=config_hash(config), code_version=code_version())
-        return StepCheckpointer(session, self.checkpoint_store(config), provenance,
+        return StepCheckpointer(roles, self.checkpoint_store(config), provenance,
                                 every_steps=config.checkpoint.every_steps, total_steps=config.train.steps)
 
     def _close_quietly(self, checkpointer: Any) -> None:

@@ -1,7 +1,7 @@
 """Predict staleness and waiting before an overlapped run: a small discrete-event simulation.
 
 What this is: ``predict()``. It replays the overlapped loop's own rules
-(rlctl.engine.async_loop, rlctl.engine.queue) on a virtual clock: W rollout
+(rlctl.engine.overlap, rlctl.engine.queue) on a virtual clock: W rollout
 workers claim ``chunk`` prompts at a time through the queue's admission gate
 (capacity, and a draw key at most ``max_ahead`` steps ahead of the learner's
 version), pick up the newest weights at each call, and take as long as the

@@ -5,7 +5,7 @@ fails before a run row exists), then record the run with its provenance and
 run it through ``Run`` (rlctl.ops.run), which owns status, events, sinks,
 checkpoints, the run directory's lock and signals, for train and resume alike.
 
-What this is not: the loop (rlctl.engine.loop), the run lifecycle
+What this is not: placing roles (rlctl.placement), the loop (rlctl.engine.loop), the run lifecycle
 (rlctl.ops.run) or its display (the CLI).
 """
 
@@ -26,13 +26,13 @@ __all__ = ["RegistrySink", "TrainCallbacks", "TrainResult", "checkpoint_store", 
 def train(config: RunConfig, *, registry: Registry, plugins: Plugins, home: Path, run_dir: Path | None = None,
           callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Train ``config`` as a new run; ``run_dir`` defaults to ``<home>/runs/<run id>``."""
-    from rlctl.engine.session import build_session
+    from rlctl.placement import place
 
     started = time.perf_counter()
     if run_dir is not None:
         RunDir(run_dir).refuse_foreign_checkpoints()
     progress = callbacks.warm_start if callbacks else None
-    session = build_session(config, plugins, cache_root=home / "cache", progress=progress)
-    run = Run.create(session, registry=registry, plugins=plugins, home=home, run_dir=run_dir, callbacks=callbacks,
+    placement = place(config, plugins, cache_root=home / "cache", progress=progress)
+    run = Run.create(placement, registry=registry, plugins=plugins, home=home, run_dir=run_dir, callbacks=callbacks,
                      started=started)
     return run.execute()

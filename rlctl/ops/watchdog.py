@@ -6,7 +6,7 @@ loops beat through; its thread reports a driver phase that lasts longer than
 rlctl.ops.recovery.RunGuard starts it and records its report as a ``hang``
 event.
 
-What this is not: the loops' phases (rlctl.engine.loop, rlctl.engine.async_loop
+What this is not: the loops' phases (rlctl.engine.loop, rlctl.engine.overlap
 say where they are) or a per-request timeout (roles keep their own deadlines).
 """
 
@@ -30,9 +30,9 @@ class Watchdog:
     The loops beat through it (it is the run's ``Heartbeat``,
     rlctl.engine.heartbeat): ``with watchdog.phase("train", "learner"): ...``
     around every call that can block on a role, in the synchronous loop and in
-    the overlapped driver alike, so the phases are the same whatever objects a
-    placement swapped in behind ``session.rollout`` / ``session.learner`` (a
-    worker pool, a Ray actor handle). The timer runs on the driver thread (the
+    the overlapped driver alike, so the phases are the same whatever a
+    placement built behind the roles (a fleet of rollout workers, a Ray actor
+    handle). The timer runs on the driver thread (the
     one that started the watchdog and runs the loop): entering or leaving a
     phase there is progress; between phases the driver is in ``loop`` (role
     driver: advantages, logging, step-end observers), before its first phase

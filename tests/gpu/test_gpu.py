@@ -31,9 +31,9 @@ GPU = ["train.device=cuda", "rollout.options.device=cuda"]
 
 
 def _session(plugins, home, *extra):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    return build_session(load_config(None, TINY_OVERRIDES + GPU + list(extra)), plugins, home / "cache")
+    return build_roles(load_config(None, TINY_OVERRIDES + GPU + list(extra)), plugins, home / "cache")
 
 
 def _mismatch(session, batch) -> float:
@@ -116,7 +116,7 @@ def test_fsdp2_rank_actor_on_ray_gets_its_own_gpu(plugins, _rlctl_home, tiny_pol
 
     from rlctl.config.models import ClusterConfig
     from rlctl.contracts.types import LearnerContext
-    from rlctl.dist.ray_ranks import RayRanks
+    from rlctl.placement.ray_ranks import RayRanks
     from rlctl_fsdp_learner.learner import FsdpLearner
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
 

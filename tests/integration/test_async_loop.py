@@ -28,27 +28,45 @@ class ListSink:
 
 
 def session_for(plugins, home: Path, *overrides: str):
+    """The placement of the tiny config with ``overrides``; a local ``mode=sync`` one gets rollout workers too, so
+    every mode goes through the overlapped driver (its queue, ledger and audit)."""
     from rlctl.config.load import load_config
-    from rlctl.engine.session import build_session
+    from rlctl.placement import place
 
     config = load_config(None, [*TINY_OVERRIDES, "eval.at_end=false", *overrides])
-    return build_session(config, plugins, cache_root=home / "cache")
+    return place(config, plugins, cache_root=home / "cache", fleet=True)
 
 
-def run(session, plugins, directory: Path, **kw):
-    from rlctl.dist import run_overlapped
+def run(placement, directory: Path, roles=None, **kw):
+    """Drive ``roles`` (default: the placement's) to the end of the run, then close the placement; the rows logged."""
+    from rlctl.engine.loop import drive
+    from rlctl.engine.spec import LoopSpec
 
+    roles = roles or placement.roles
     sink = ListSink()
-    run_overlapped(session, plugins, directory, [sink], **kw)
+    try:
+        drive(roles, LoopSpec.from_config(roles.config), [sink], directory=directory, **kw)
+    finally:
+        placement.close()
     return sink.rows
+
+
+def with_workers(placement, wrap):
+    """The placement's roles with each rollout worker wrapped by ``wrap(index, worker)`` (a fleet of the wrappers)."""
+    from dataclasses import replace
+
+    from rlctl.engine.producers import RolloutFleet
+
+    workers = placement.roles.rollout.workers
+    return replace(placement.roles, rollout=RolloutFleet([wrap(i, w) for i, w in enumerate(workers)]))
 
 
 @pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("async", 1)])
 def test_modes_respect_their_staleness_bound(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode, bound):
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     session = session_for(plugins, _rlctl_home, f"mode={mode}", "train.steps=4", "staleness.max_staleness=1")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path)
     assert [s for s, _ in rows] == [0, 1, 2, 3]
     for _, m in rows:
         for name in OVERLAP_METRICS:
@@ -65,7 +83,7 @@ def test_modes_respect_their_staleness_bound(plugins, _rlctl_home, tmp_path, tin
 def test_reweight_keeps_stale_groups_with_truncated_weights(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "staleness.max_staleness=0",
                           "staleness.stale_policy=reweight", "staleness.queue_capacity=12")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path)
     assert sum(m["queue_drops_stale"] for _, m in rows) == 0
     assert sum(m["reweighted_groups"] for _, m in rows) == sum(m["staleness_violations"] for _, m in rows) / 4
 
@@ -88,10 +106,11 @@ def test_dlag_from_the_training_forward_equals_the_separate_pass(plugins, _rlctl
     """D_lag (mean |log pi_learner - log mu| per sample, P50/P95/P99) is the same value the extra pass gave."""
     overrides = ("mode=sync", "train.steps=3", "cluster.num_rollout_workers=1", *extra)
     fast = session_for(plugins, _rlctl_home, *overrides)
+    from dataclasses import replace
+
     old = session_for(plugins, _rlctl_home, *overrides)
-    old.learner = WithoutCapture(old.learner)
-    rows_fast = run(fast, plugins, tmp_path / "fast")
-    rows_old = run(old, plugins, tmp_path / "old")
+    rows_fast = run(fast, tmp_path / "fast")
+    rows_old = run(old, tmp_path / "old", roles=replace(old.roles, learner=WithoutCapture(old.roles.learner)))
     assert [s for s, _ in rows_fast] == [s for s, _ in rows_old] == [0, 1, 2]
     for (_, a), (_, b) in zip(rows_fast, rows_old):
         assert a.keys() == b.keys()
@@ -111,11 +130,12 @@ def test_learner_asking_before_the_producer_claims_waits_for_the_batch(plugins, 
     """
     import threading
 
-    from rlctl.engine.async_loop import AsyncDriver, audit
+    from rlctl.engine.ledger import audit
+    from rlctl.engine.producers import Producers
     from rlctl.engine.queue import TrajectoryQueue
 
     learner_waits = threading.Event()
-    real_wait, real_claim = TrajectoryQueue._wait, AsyncDriver._claim
+    real_wait, real_claim = TrajectoryQueue._wait, Producers._claim
 
     def wait(self, deadline, what, restore=None):
         if restore is not None:  # the learner's take (a producer's reserve passes none)
@@ -132,9 +152,9 @@ def test_learner_asking_before_the_producer_claims_waits_for_the_batch(plugins, 
         return keys
 
     monkeypatch.setattr(TrajectoryQueue, "_wait", wait)
-    monkeypatch.setattr(AsyncDriver, "_claim", claim)
+    monkeypatch.setattr(Producers, "_claim", claim)
     session = session_for(plugins, _rlctl_home, f"mode={mode}", "train.steps=3", "cluster.num_rollout_workers=1")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path)
     assert [s for s, _ in rows] == [0, 1, 2] and all(m["groups_trained"] == 4 for _, m in rows)
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
@@ -148,7 +168,7 @@ class FlakyWorker:
         self.name = inner.name
 
     def generate(self, requests):
-        from rlctl.engine.async_loop import WorkerLost
+        from rlctl.contracts.errors import WorkerLost
 
         self.calls += 1
         if self.calls in self.lose:
@@ -170,20 +190,12 @@ class FlakyWorker:
 
 def test_lost_worker_prompts_are_regenerated_with_current_weights(plugins, _rlctl_home, tmp_path, tiny_policy_dir,
                                                                    monkeypatch):
-    from rlctl.dist import local
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
-    flaky: list[FlakyWorker] = []
-    original = local.LocalPlacement.workers
-
-    def workers(self):
-        made = [FlakyWorker(w, {2, 3}) for w in original(self)]
-        flaky.extend(made)
-        return made
-
-    monkeypatch.setattr(local.LocalPlacement, "workers", workers)
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3")
-    rows = run(session, plugins, tmp_path)
+    roles = with_workers(session, lambda i, w: FlakyWorker(w, {2, 3}))
+    flaky = roles.rollout.workers
+    rows = run(session, tmp_path, roles=roles)
     assert sum(w.restarts for w in flaky) >= 2
     assert rows[-1][1]["rollout_worker_failures"] >= 2 and rows[-1][1]["requeued_prompts"] >= 2
     report = audit(tmp_path / "queue")
@@ -217,15 +229,11 @@ class StragglerWorker:
 
 def test_partial_rollout_carries_unfinished_groups_over(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
     """partial_fraction=0.5: steps proceed without the straggler's groups, which a later step trains (within Δv)."""
-    from rlctl.dist import local
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
-    original = local.LocalPlacement.workers
-    monkeypatch.setattr(local.LocalPlacement, "workers",
-                        lambda self: [StragglerWorker(w, 0.8 if i == 0 else 0.0) for i, w in enumerate(original(self))])
     session = session_for(plugins, _rlctl_home, "mode=one_step_off", "train.steps=5", "staleness.max_staleness=1",
                           "staleness.partial_fraction=0.5", "staleness.rollout_chunk=1", "staleness.queue_capacity=8")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path, roles=with_workers(session, lambda i, w: StragglerWorker(w, 0.8 if i == 0 else 0.0)))
     assert [s for s, _ in rows] == [0, 1, 2, 3, 4]
     assert all(m["groups_trained"] >= 2 for _, m in rows)  # never below the fraction (B = 4)
     assert any(m["partial_carried_groups"] > 0 for _, m in rows)  # some step did not wait for the straggler
@@ -238,26 +246,27 @@ def test_partial_rollout_carries_unfinished_groups_over(plugins, _rlctl_home, tm
 
 
 def test_ppo_with_a_critic_trains_overlapped(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     session = session_for(plugins, _rlctl_home, "algo.name=ppo", "mode=async", "train.steps=3")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path)
     assert [s for s, _ in rows] == [0, 1, 2] and all("value_loss" in m for _, m in rows)
-    assert session.learner.policy_version == 3
+    assert session.roles.learner.policy_version == 3
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
 def test_critic_warmup_steps_still_admit_the_next_batch(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode):
-    """A warm-up step trains only the critic (the policy version stays); rollout is admitted by steps, not versions."""
-    from rlctl.engine.async_loop import audit
+    """A warm-up step trains only the critic (the policy version stays): rollout is admitted by steps in the
+    in-order modes, and in async by the draw keys the learner resolved when the version did not move."""
+    from rlctl.engine.ledger import audit
 
     session = session_for(plugins, _rlctl_home, "algo.name=ppo", "algo.critic.warmup_steps=1", f"mode={mode}",
                           "train.steps=3", "staleness.take_timeout_s=60")
-    rows = run(session, plugins, tmp_path)
+    rows = run(session, tmp_path)
     assert [s for s, _ in rows] == [0, 1, 2] and all(m["groups_trained"] == 4 for _, m in rows)
-    assert session.learner.policy_version == 2  # step 0 left the policy as it was
+    assert session.roles.learner.policy_version == 2  # step 0 left the policy as it was
     assert all(m["staleness_max"] <= (0 if mode == "sync" else 1) for _, m in rows)
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
@@ -265,15 +274,14 @@ def test_critic_warmup_steps_still_admit_the_next_batch(plugins, _rlctl_home, tm
 
 def test_dapo_filters_groups_without_signal_and_refuses_refills(plugins, _rlctl_home, tmp_path, tiny_policy_dir):
     from rlctl.contracts.errors import ConfigError
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
-    session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3")
-    with pytest.raises(ConfigError, match="refills filtered groups") as err:
-        run(session, plugins, tmp_path / "refill")
+    with pytest.raises(ConfigError, match="refills filtered groups") as err:  # refused before any role is built
+        session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3")
     assert "max_sample_rounds=1" in err.value.hint
     session = session_for(plugins, _rlctl_home, "algo.name=dapo", "mode=one_step_off", "train.steps=3",
                           "algo.options={max_sample_rounds: 1}")
-    rows = run(session, plugins, tmp_path / "filter")
+    rows = run(session, tmp_path / "filter")
     assert all(m["groups_trained"] + m["ds_dropped_groups"] == 4 for _, m in rows)
     report = audit(tmp_path / "filter" / "queue")  # a filtered group is dropped in the ledger, never lost
     assert report.lost == () and report.double_counted == 0
@@ -309,8 +317,8 @@ class EngineGone:
 def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins, _rlctl_home, tmp_path,
                                                                         tiny_policy_dir, monkeypatch):
     """A backend whose engine is gone mid-batch: its prompts are regenerated by a restarted worker at the current version."""
-    from rlctl.dist import local
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
+    from rlctl.placement import local
 
     events: list[tuple[str, str, int]] = []  # (worker, what, version)
     originals = {name: getattr(local.LocalWorker, name) for name in ("load_weights", "restart", "generate")}
@@ -331,8 +339,9 @@ def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins,
         monkeypatch.setattr(local.LocalWorker, name, fn)
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3",
                           "cluster.num_rollout_workers=1")  # one worker: the run finishes only if it comes back
-    session.rollout = EngineGone(session.rollout, {2})  # worker 0 serves through the session's backend
-    rows = run(session, plugins, tmp_path)
+    worker = session.roles.rollout.workers[0]
+    worker.backend = EngineGone(worker.backend, {2})  # its engine goes away on the second call
+    rows = run(session, tmp_path)
     assert rows[-1][1]["rollout_worker_failures"] == 1 and rows[-1][1]["requeued_prompts"] >= 1
     mine = [(what, v) for name, what, v in events if name == "local-0"]
     after = mine[mine.index(("restart", -1)) + 1:]
@@ -344,14 +353,10 @@ def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins,
 
 def test_worker_restart_storm_fails_clearly(plugins, _rlctl_home, tmp_path, tiny_policy_dir, monkeypatch):
     from rlctl.contracts.errors import RoleError
-    from rlctl.dist import local
 
-    original = local.LocalPlacement.workers
-    monkeypatch.setattr(local.LocalPlacement, "workers",
-                        lambda self: [FlakyWorker(w, range(1, 100)) for w in original(self)])
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=2", "cluster.max_restarts=1")
     with pytest.raises(RoleError, match="died 2 times"):
-        run(session, plugins, tmp_path)
+        run(session, tmp_path, roles=with_workers(session, lambda i, w: FlakyWorker(w, range(1, 100))))
 
 
 @pytest.mark.parametrize("compacting", [False, True], ids=["plain", "compacted"])
@@ -363,7 +368,7 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
     the driver delete the segments below the oldest kept checkpoint's cursor
     before the crash; the resume must still neither regenerate nor retrain them.
     """
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
     from rlctl.engine.checkpoint import DiskCheckpointStore
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, restore
 
@@ -372,7 +377,7 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
     session = session_for(plugins, _rlctl_home, *overrides)
     store = DiskCheckpointStore(tmp_path / "checkpoints", keep_last=3, async_save=False)
     prov = Provenance(run_id="r", config_hash="h", code_version="c")
-    ckpt = StepCheckpointer(session, store, prov, every_steps=2, total_steps=6)
+    ckpt = StepCheckpointer(session.roles, store, prov, every_steps=2, total_steps=6)
 
     class Crash(Exception):
         pass
@@ -382,7 +387,7 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
             raise Crash
 
     with pytest.raises(Crash):
-        run(session, plugins, tmp_path, observer=observer, checkpoint=ckpt, store=store)
+        run(session, tmp_path, observer=observer, checkpoint=ckpt, store=store)
     if compacting:  # the checkpoints at 2 and 4 are kept: segments below the one at 2 are gone
         assert (tmp_path / "queue" / "compacted.json").is_file()
         first = min(int(p.stem.split("-")[1]) for p in (tmp_path / "queue").glob("seg-*.log"))
@@ -392,8 +397,9 @@ def test_resume_from_checkpoint_neither_drops_nor_repeats(plugins, _rlctl_home, 
     assert json.loads((Path(path) / "state.json").read_text())["queue"] == state.queue
 
     again = session_for(plugins, _rlctl_home, *overrides)
-    restore(again, state, 1e-5)
-    rows = run(again, plugins, tmp_path, start_step=state.step, store=store)
+    report = restore(again.roles, state, 1e-5)
+    assert report.resume.step == 4 and report.resume.queue_cursor == state.queue
+    rows = run(again, tmp_path, resume=report.resume, store=store)
     assert [s for s, _ in rows] == [4, 5]
     report = audit(tmp_path / "queue")
     assert report.steps == 6 and report.trained == 24 and report.double_counted == 0 and report.lost == ()
@@ -414,7 +420,7 @@ def test_cli_async_train_sigkill_then_resume_trains_every_group_once(_rlctl_home
     """``rlctl train mode=async`` SIGKILLed mid-run, then ``rlctl resume``: the committed history is exact."""
     import signal
 
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
     from tests.integration.test_cli import rlctl
     from tests.integration.test_resume import run_id, spawn, wait_for_step
 

@@ -35,11 +35,11 @@ class ListSink:
 
 
 def _session(plugins, home: Path, *extra: str):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
     cfg = load_config(None, [*TINY_OVERRIDES, "train.steps=4", "train.deterministic=true", "algo.kl.coef=0.05",
                              "train.optim.lr=1e-3", *extra])
-    return build_session(cfg, plugins, home / "cache")
+    return build_roles(cfg, plugins, home / "cache")
 
 
 def _params(session) -> dict[str, torch.Tensor]:
@@ -49,7 +49,8 @@ def _params(session) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
     """4 steps with a (synchronous) checkpoint every 2 steps: final params, metrics, checkpoint dir."""
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     root = tmp_path_factory.mktemp("ck") / "checkpoints"
     session = _session(plugins, _rlctl_home)
@@ -64,7 +65,8 @@ def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
 
 
 def test_restore_continues_bit_for_bit(plugins, _rlctl_home, straight):
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     final, rows, root = straight
     state = DiskCheckpointStore(root).load(str(root / "step-000002"))

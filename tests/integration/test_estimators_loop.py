@@ -28,15 +28,16 @@ class ListSink:
 
 
 def _session(plugins, home: Path, *extra: str):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
     cfg = load_config(None, [*TINY_OVERRIDES, "train.steps=2", "train.optim.lr=1e-3", *extra])
-    return build_session(cfg, plugins, home / "cache")
+    return build_roles(cfg, plugins, home / "cache")
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo"])
 def test_estimator_trains_through_the_loop(name, plugins, _rlctl_home, tiny_policy_dir):
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     extra = ("algo.kl.coef=0.05", "algo.kl.placement=reward") if name == "reinforce_pp" else ()
     session = _session(plugins, _rlctl_home, f"algo.name={name}", "algo.tis_cap=2.0", *extra)
@@ -59,38 +60,33 @@ def test_estimator_trains_through_the_loop(name, plugins, _rlctl_home, tiny_poli
 
 
 def test_dapo_dynamic_sampling_keeps_only_informative_groups(plugins, _rlctl_home, tiny_policy_dir):
-    from rlctl.engine.estimation import sample_groups
-    from rlctl.contracts.types import RolloutRequest
+    from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 
     session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6",
                        "rollout.temperature=1.0")
     cfg = session.config
-    answers = {r.id: r.answer for r in session.task.train}
-
-    def request(p):
-        return RolloutRequest(prompt_id=p.id, prompt_tokens=tuple(session.tokenizer(p.text)["input_ids"]),
-                              group_size=cfg.algo.group_size, sampling=session.sampling,
-                              dataset_version=session.task.version)
-
+    g = cfg.algo.group_size
+    sampler = Sampler(prompts=session.cursor.next, make_request=request_encoder(session, g), rollout=session.rollout,
+                      reward=session.reward, answers={r.id: r.answer for r in session.task.train},
+                      estimator=session.estimator, group_size=g, max_tokens=cfg.rollout.max_tokens,
+                      truncation_penalty=cfg.rollout.truncation_penalty)
     seen_refill = 0.0
     for _ in range(3):
-        out = sample_groups(prompts=session.cursor.next, make_request=request, rollout=session.rollout,
-                            reward=session.reward, answers=answers, estimator=session.estimator,
-                            num_prompts=cfg.algo.prompts_per_step, group_size=cfg.algo.group_size,
-                            max_tokens=cfg.rollout.max_tokens, truncation_penalty=cfg.rollout.truncation_penalty)
-        groups = out.rewards.shape[0]
-        assert len(out.scored) == groups * cfg.algo.group_size
+        out = sample_groups(sampler, cfg.algo.prompts_per_step)
+        kept = out.selection
+        groups = kept.rewards.shape[0]
+        assert len(kept.kept) == groups * g
         if out.metrics["ds_short_groups"] == 0:
             assert groups == cfg.algo.prompts_per_step
-        for g in range(groups):
-            r = out.rewards[g][out.valid[g]]
-            assert r.numel() >= 2 and float(r.max()) > float(r.min()), out.rewards
+        for i in range(groups):
+            r = kept.rewards[i][kept.valid[i]]
+            assert r.numel() >= 2 and float(r.max()) > float(r.min()), kept.rewards
         # every dropped group was replaced by a refill prompt, unless the round limit was hit
         assert out.metrics["ds_dropped_groups"] == out.metrics["ds_refill_prompts"] + out.metrics["ds_short_groups"]
-        assert out.metrics["generated_tokens"] >= sum(t.num_response_tokens for t in out.scored)
+        assert out.generated_tokens >= sum(t.num_response_tokens for t in kept.kept + kept.no_signal)
         seen_refill += out.metrics["ds_refill_prompts"]
-        ids = [t.prompt_id for t in out.scored]
-        assert all(len(set(ids[i:i + cfg.algo.group_size])) == 1 for i in range(0, len(ids), cfg.algo.group_size))
+        ids = [t.prompt_id for t in kept.kept]
+        assert all(len(set(ids[i:i + g])) == 1 for i in range(0, len(ids), g))
     assert seen_refill > 0, "the tiny policy should produce some all-equal groups at G=4"
 
 
@@ -98,7 +94,8 @@ def test_dapo_through_the_loop_trains_only_groups_with_signal_and_logs_the_refil
                                                                                   tiny_policy_dir):
     """What the learner sees, not just what sample_groups returns: every group of every trained batch has
     unequal rewards, and the refill count is in every logged step's metrics."""
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6", "train.steps=4")
     trained: list[torch.Tensor] = []
@@ -124,7 +121,8 @@ def test_dapo_through_the_loop_trains_only_groups_with_signal_and_logs_the_refil
 def test_dapo_step_without_any_informative_group_skips_the_update(plugins, _rlctl_home, tiny_policy_dir):
     """Greedy sampling makes every group's G samples identical, so no group has signal in any round: the step
     trains on nothing (no all-equal batch), and weights and optimizer stay as they were."""
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=2",
                        "rollout.temperature=0.0")
@@ -141,7 +139,8 @@ def test_dapo_step_without_any_informative_group_skips_the_update(plugins, _rlct
 
 
 def test_generated_token_budget_stops_the_run_within_one_batch(plugins, _rlctl_home, tiny_policy_dir):
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     session = _session(plugins, _rlctl_home, "train.steps=50", "train.max_generated_tokens=100",
                        "train.log_every=10")
@@ -158,7 +157,8 @@ def test_token_budget_stops_dapo_refills_within_the_step(plugins, _rlctl_home, t
     """Refill rounds stop once the budget is spent, so DAPO overshoots an ablation's budget by less than one
     round of tokens, not by up to max_sample_rounds rounds. Greedy sampling makes every group all-equal, so
     without the budget all 6 rounds would run."""
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     session = _session(plugins, _rlctl_home, "algo.name=dapo", "algo.options.max_sample_rounds=6",
                        "rollout.temperature=0.0", "train.steps=20", "train.max_generated_tokens=1")

@@ -105,7 +105,7 @@ def test_overlapped_run_re_scores_failed_grader_calls_on_the_producer_like_the_s
     """mode=async: a timed-out grader call is re-scored with a fresh grader (faults.verifier_retries) before its
     group is queued; a group still failing is dropped whole and counted under the sync loop's metric names; the
     trajectory audit finds nothing lost or trained twice (the dropped groups are in the ledger)."""
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
     from rlctl_faults import kinds
 
     injected: list[str] = []
@@ -160,7 +160,7 @@ def test_nan_steps_are_skipped_then_rolled_back_with_lower_lr_and_a_canary(_rlct
 
 def test_overlapped_run_rolls_back_nan_steps_under_the_same_guard(_rlctl_home, tmp_path):
     """mode=async: the NaN rollback restores the checkpoint and its queue cursor; the history stays exact."""
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     result, reg, run_dir = _train(_rlctl_home, tmp_path, "nan-async", "mode=async", "train.steps=6",
                                   "checkpoint.every_steps=2", "checkpoint.async_save=false",
@@ -179,9 +179,9 @@ def test_a_skipped_nan_step_leaves_parameters_unchanged(tiny_config, plugins, _r
 
     from rlctl.engine.batching import build_batch
     from rlctl.engine.faults import arm
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    session = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    session = build_roles(tiny_config, plugins, cache_root=_rlctl_home / "cache")
     prompts = session.cursor.next(2)
     from rlctl.contracts.types import RolloutRequest
 

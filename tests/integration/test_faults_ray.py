@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 
 
 def test_a_killed_rollout_actor_is_restarted_and_its_prompts_regenerated(ray_cluster, _rlctl_home, tmp_path):
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     steps = 5
     result, reg, run_dir = _train(
@@ -55,7 +55,7 @@ def test_faults_armed_in_the_config_fire_inside_the_learner_rollout_and_reward_a
     actor), the killed learner restarted and restored from the newest checkpoint, failed grader calls re-scored
     with a fresh grader (whole groups dropped past the retries), and the trajectory audit finds nothing lost or
     trained twice."""
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     steps = 5
     faults = [{"kind": "oom", "at_step": 1}, {"kind": "learner-crash", "at_step": 3},
@@ -100,7 +100,7 @@ def test_faults_injected_into_the_running_run_fire_inside_the_live_learner_actor
     across the driver and every actor; the recovery reports come back from the actors (micro-batch halved)."""
     from rlctl.config.load import load_config
     from rlctl.config.models import FaultSpec
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
     from rlctl.hooks.manager import load_plugins
     from rlctl.ops.inject import inject_running
     from rlctl.ops.run import TrainCallbacks
@@ -145,7 +145,7 @@ def test_watchdog_names_the_learner_actor_call_that_hangs(ray_cluster, _rlctl_ho
     end or a rollout. The timeout leaves room for the actors to come up (the first weight export waits for it)."""
     import time
 
-    from rlctl.dist.ray import RayLearner
+    from rlctl.placement.ray_placement import RayLearner
     from rlctl.ops.recovery import HangError
 
     def stuck(self, batch):

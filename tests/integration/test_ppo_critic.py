@@ -22,9 +22,9 @@ PPO = ["algo.name=ppo", "algo.critic.lr=1e-3", "algo.critic.warmup_steps=1", "tr
 
 
 def _session(plugins, home: Path, *extra: str):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    return build_session(load_config(None, [*TINY_OVERRIDES, *PPO, *extra]), plugins, home / "cache")
+    return build_roles(load_config(None, [*TINY_OVERRIDES, *PPO, *extra]), plugins, home / "cache")
 
 
 def _params(session) -> dict[str, torch.Tensor]:
@@ -35,7 +35,8 @@ def _params(session) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def straight(plugins, _rlctl_home, tmp_path_factory, tiny_policy_dir):
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     root = tmp_path_factory.mktemp("ppo") / "checkpoints"
     session = _session(plugins, _rlctl_home)
@@ -64,7 +65,8 @@ def test_ppo_warm_up_then_both_roles_train(straight):
 
 
 def test_critic_state_is_checkpointed_and_restores_bit_for_bit(plugins, _rlctl_home, straight):
-    from rlctl.engine.loop import LoopSpec, run_sync
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     done, rows, root = straight
     final = _params(done)

@@ -22,36 +22,60 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 
-def run_ray(plugins, home, directory, *overrides, observer=None, checkpoint_every=0):
-    from rlctl.dist import run_overlapped
-    from rlctl.engine.checkpoint import DiskCheckpointStore
-    from rlctl.engine.snapshot import Provenance, StepCheckpointer
+class RayRun:
+    """What a test sees of a finished Ray run: its placement (actors gone), the rows logged, the final version."""
 
-    session = session_for(plugins, home, "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
-                          "cluster.learner_num_cpus=0.5", *overrides)
-    store = ckpt = None
+    def __init__(self, placement, rows, version) -> None:
+        self.placement, self.rows, self.version = placement, rows, version
+
+
+def run_ray(plugins, home, directory, *overrides, observer=None, checkpoint_every=0, on_placed=None,
+            wrap_recover=None):
+    """Place the tiny config on the session's Ray cluster and drive it to the end; ``on_placed(placement)`` runs
+    before the first step, ``wrap_recover(placement, recover)`` may wrap the in-run learner recovery."""
+    from functools import partial
+
+    from rlctl.engine.checkpoint import DiskCheckpointStore
+    from rlctl.engine.loop import drive
+    from rlctl.engine.snapshot import Provenance, StepCheckpointer, recover_newest
+    from rlctl.engine.spec import LoopSpec
+
+    placement = session_for(plugins, home, "cluster.backend=ray", "cluster.rollout_num_cpus=0.5",
+                            "cluster.learner_num_cpus=0.5", *overrides)
+    roles = placement.roles
+    store = ckpt = recover = None
     if checkpoint_every:
         store = DiskCheckpointStore(directory / "checkpoints", keep_last=2, async_save=False)
-        ckpt = StepCheckpointer(session, store, Provenance(run_id="r", config_hash="h", code_version="c"),
-                                every_steps=checkpoint_every, total_steps=session.config.train.steps)
+        ckpt = StepCheckpointer(roles, store, Provenance(run_id="r", config_hash="h", code_version="c"),
+                                every_steps=checkpoint_every, total_steps=roles.config.train.steps)
+        recover = partial(recover_newest, roles, store, roles.config.checkpoint.shadow_tolerance)
+        if wrap_recover is not None:
+            recover = wrap_recover(placement, recover)
     sink = ListSink()
-    run_overlapped(session, plugins, directory, [sink], observer, checkpoint=ckpt, store=store)
-    return session, sink.rows
+    try:
+        if on_placed is not None:
+            on_placed(placement)
+        drive(roles, LoopSpec.from_config(roles.config), [sink], observer=observer, checkpoint=ckpt,
+              directory=directory, recover=recover, store=store)
+        version = roles.learner.policy_version  # asked of the learner actor, before the placement ends it
+    finally:
+        placement.close()
+    return RayRun(placement, sink.rows, version)
 
 
 def test_ray_run_emits_the_local_metric_schema(ray_cluster, plugins, _rlctl_home, tmp_path, tiny_policy_dir):
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
     from tests.integration.test_async_loop import run
 
     started = time.perf_counter()
-    session, rows = run_ray(plugins, _rlctl_home, tmp_path / "ray", "mode=async", "train.steps=3",
-                            "reward.workers=2")  # graders as Ray actors too
+    done = run_ray(plugins, _rlctl_home, tmp_path / "ray", "mode=async", "train.steps=3",
+                   "reward.workers=2")  # graders as Ray actors too
     ray_s = time.perf_counter() - started
-    assert [s for s, _ in rows] == [0, 1, 2] and rows[-1][1]["policy_version"] == 3
-    assert session.learner.policy_version == 3  # the final state came back from the actor
-    assert type(session.reward_pool).__name__ == "ProcessRewardPool"  # the run's actor pool is gone again
+    rows = done.rows
+    assert [s for s, _ in rows] == [0, 1, 2] and rows[-1][1]["policy_version"] == 3 and done.version == 3
+    assert type(done.placement.roles.reward_pool).__name__ == "RayRewardPool"  # built as actors, never swapped in
     assert all(m["reward_error_count"] == 0 for _, m in rows)
-    local = run(session_for(plugins, _rlctl_home, "mode=async", "train.steps=1"), plugins, tmp_path / "local")
+    local = run(session_for(plugins, _rlctl_home, "mode=async", "train.steps=1"), tmp_path / "local")
     assert set(rows[0][1]) == set(local[0][1])
     report = audit(tmp_path / "ray" / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 12
@@ -62,8 +86,8 @@ def test_ray_reward_pool_scores_like_in_process_and_retries_a_killed_actor(ray_c
     from functools import partial
 
     from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
-    from rlctl.dist.ray import RayRewardPool
-    from rlctl.engine.session import reward_from_config
+    from rlctl.placement.ray_placement import RayRewardPool
+    from rlctl.placement.build import reward_from_config
 
     def traj(i: int, text: str) -> Trajectory:
         return Trajectory.create(id=f"t{i}", prompt_id=f"p{i}", group_index=0, dataset_version="ds",
@@ -110,15 +134,9 @@ class Killer(threading.Thread):
 
 
 def _kill_run(plugins, home, directory, who: str, kills: int, seed: int, max_steps: int = 1000):
-    from rlctl.dist import ray as dist_ray
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     holder: dict = {}
-    original = dist_ray.RayPlacement.workers
-
-    def workers(self):
-        holder["placement"] = self
-        return original(self)
 
     class Enough(Exception):
         pass
@@ -137,15 +155,13 @@ def _kill_run(plugins, home, directory, who: str, kills: int, seed: int, max_ste
         if killer.done >= kills and step >= 3:
             raise Enough
 
-    dist_ray.RayPlacement.workers = workers
     try:
         with pytest.raises(Enough):
             run_ray(plugins, home, directory, "mode=async", f"train.steps={max_steps}", "staleness.max_staleness=1",
                     f"cluster.max_restarts={kills + 5}", observer=observer,
-                    checkpoint_every=1 if who == "learner" else 0)
+                    checkpoint_every=1 if who == "learner" else 0, on_placed=lambda p: holder.update(placement=p))
     finally:
         killer.stop.set()
-        dist_ray.RayPlacement.workers = original
     report = audit(directory / "queue")
     assert killer.done >= kills
     assert report.double_counted == 0, report
@@ -190,26 +206,17 @@ def test_a_learner_killed_between_calls_is_restored_not_silently_reset(ray_clust
     """Ray restarts an actor killed while idle without failing any call: the next call runs on the new process,
     which holds its initial state. The restarted learner must refuse it and be restored from the checkpoint,
     also when it is killed again right after a restore (the soak found that death escaping the recovery)."""
-    from rlctl import dist
-    from rlctl.dist import ray as dist_ray
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     holder: dict = {}
-    original_workers, original_recover = dist_ray.RayPlacement.workers, dist._recover
 
-    def workers(self):
-        holder["placement"] = self
-        return original_workers(self)
-
-    def recover_then_die(session, store):
-        inner = original_recover(session, store)
-
+    def recover_then_die(placement, inner):
         def recover():
-            step = inner()
+            point = inner()
             holder["recoveries"] = holder.get("recoveries", 0) + 1
             if holder["recoveries"] == 1:  # dies again between the restore and the loop's next call
-                _kill_and_wait_restarted(holder["placement"].learner_actor)
-            return step
+                _kill_and_wait_restarted(placement.learner_actor)
+            return point
 
         return recover
 
@@ -218,16 +225,13 @@ def test_a_learner_killed_between_calls_is_restored_not_silently_reset(ray_clust
             _kill_and_wait_restarted(holder["placement"].learner_actor)
 
     steps = 6
-    dist_ray.RayPlacement.workers, dist._recover = workers, recover_then_die
-    try:
-        session, rows = run_ray(plugins, _rlctl_home, tmp_path, "mode=async", f"train.steps={steps}",
-                                "staleness.max_staleness=1", "cluster.max_restarts=5", observer=observer,
-                                checkpoint_every=1)
-    finally:
-        dist_ray.RayPlacement.workers, dist._recover = original_workers, original_recover
+    done = run_ray(plugins, _rlctl_home, tmp_path, "mode=async", f"train.steps={steps}", "staleness.max_staleness=1",
+                   "cluster.max_restarts=5", observer=observer, checkpoint_every=1,
+                   on_placed=lambda p: holder.update(placement=p), wrap_recover=recover_then_die)
+    rows = done.rows
     assert holder["recoveries"] == 2
     assert [s for s, _ in rows] == list(range(steps)) and rows[-1][1]["learner_restarts"] == 2
-    assert rows[-1][1]["policy_version"] == steps and session.learner.policy_version == steps  # nothing reset
+    assert rows[-1][1]["policy_version"] == steps and done.version == steps  # nothing reset
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.max_staleness <= 1
 
@@ -245,7 +249,7 @@ def test_an_actor_that_cannot_start_is_one_error_naming_it(ray_cluster):
     """Placement start-up waits for every actor's constructor: a failed one is a RoleError naming the actor and
     its error (not a restart loop inside the first step)."""
     from rlctl import RoleError
-    from rlctl.dist.ray import _started
+    from rlctl.placement.ray_cluster import wait_started as _started
 
     with pytest.raises(RoleError, match=r"rollout worker ray-1 failed to start: FileNotFoundError: no model at /nowhere"):
         _started([("rollout worker ray-1", _CannotStart.options(num_cpus=0, max_restarts=1).remote())])

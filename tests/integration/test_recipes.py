@@ -19,7 +19,7 @@ SEVEN_B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_validates(path: Path, plugins):
-    from rlctl.engine.session import build_estimator
+    from rlctl.placement.build import build_estimator
 
     config = load_config(path)
     build_estimator(config, plugins)  # the estimator's own checks too (options, group size, clip keys it ignores)

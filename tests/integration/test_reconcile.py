@@ -10,10 +10,10 @@ from tests.helpers import rollout_batch
 
 
 def _session(plugins, tmp_home, extra):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
     cfg = load_config(None, TINY_OVERRIDES + extra)
-    return build_session(cfg, plugins, tmp_home / "cache")
+    return build_roles(cfg, plugins, tmp_home / "cache")
 
 
 _rollout_batch = rollout_batch

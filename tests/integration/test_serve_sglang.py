@@ -91,11 +91,11 @@ def server(tiny_policy_dir, tmp_path_factory):
 
 
 def _session(plugins, home: Path, url: str, tmp_path: Path, extra=(), **options):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
     opts = {"servers": [url], "publish_dir": str(tmp_path / "pub"), "retries": 2, "retry_backoff_s": 0.2, **options}
     cfg = load_config(None, [*TINY_OVERRIDES, *extra, "rollout.backend=sglang", f"rollout.options={json.dumps(opts)}"])
-    return build_session(cfg, plugins, home / "cache")
+    return build_roles(cfg, plugins, home / "cache")
 
 
 _batch = rollout_batch

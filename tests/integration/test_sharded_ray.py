@@ -33,7 +33,7 @@ pytest.importorskip("ray")
 
 def _ray_ctx(session):
     from rlctl.config.models import ClusterConfig
-    from rlctl.dist.ray_ranks import RayRanks
+    from rlctl.placement.ray_ranks import RayRanks
 
     cluster = ClusterConfig(backend="ray", learner_num_cpus=0.5, max_restarts=2)
     return replace(learner_context(session, micro_batch_size=5), rank_launcher=partial(RayRanks, cluster))
@@ -75,8 +75,8 @@ def _wait_restarted(ranks, rank: int, old: int) -> None:
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_rank_actors_match_the_torch_learner_and_a_killed_rank_is_restored_from_its_shards(
         ray_cluster, tiny_session, tmp_path, name):
-    from rlctl.dist.ray import StoredWeights
-    from rlctl.engine.async_loop import LearnerLost
+    from rlctl.placement.ray_actors import StoredWeights
+    from rlctl.contracts.errors import LearnerLost
     from rlctl_torch_learner.learner import TorchLearner
     from rlctl_torch_learner.options import TorchLearnerOptions
 
@@ -121,7 +121,7 @@ def test_rank_actors_match_the_torch_learner_and_a_killed_rank_is_restored_from_
 
 
 def test_async_run_with_fsdp2_rank_actors_survives_a_rank_killed_mid_step(ray_cluster, _rlctl_home, tmp_path):
-    from rlctl.engine.async_loop import audit
+    from rlctl.engine.ledger import audit
 
     steps = 4
     result, reg, run_dir = _train(

@@ -17,9 +17,9 @@ from tests.conftest import TINY_OVERRIDES
 
 
 def _session(plugins, home, extra=()):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    return build_session(load_config(None, [*TINY_OVERRIDES, "train.optim.lr=1e-3", *extra]), plugins, home / "cache")
+    return build_roles(load_config(None, [*TINY_OVERRIDES, "train.optim.lr=1e-3", *extra]), plugins, home / "cache")
 
 
 _batch = rollout_batch

@@ -6,8 +6,9 @@ import torch
 
 from rlctl.algo.importance import lag_divergence, truncated_is_weights
 from rlctl.contracts.types import PromptRecord, SamplingConfig, Split, TerminalReason
-from rlctl.engine.async_loop import AsyncSpec, overlap_metrics
 from rlctl.engine.batching import PromptCursor
+from rlctl.engine.metrics import overlap_metrics
+from rlctl.engine.spec import LoopSpec, QueueSpec
 
 
 def test_record_at_matches_the_cursor_order_across_epochs():
@@ -30,7 +31,8 @@ def test_truncated_is_weights_cap_and_mask():
 
 
 def test_mode_bounds_and_default_capacity():
-    spec = lambda mode, k=3: AsyncSpec(mode=mode, steps=1, prompts_per_step=8, group_size=2, max_staleness=k)  # noqa
+    spec = lambda mode, k=3: LoopSpec(mode=mode, steps=1, prompts_per_step=8, group_size=2,  # noqa: E731
+                                      queue=QueueSpec(max_staleness=k))
     assert [spec(m).max_ahead for m in ("sync", "one_step_off", "async")] == [0, 1, 3]
     assert spec("sync").capacity == 8 and spec("async").capacity == 32
 

@@ -73,10 +73,10 @@ def test_log_probs_and_advantages_are_fp32():
 @pytest.mark.parametrize("sampling", [[], ["rollout.temperature=0.7"], ["rollout.temperature=1.3"]])
 def test_bf16_learner_reconciles_with_the_rollout_within_the_stated_tolerance(plugins, _rlctl_home, tiny_policy_dir,
                                                                                sampling):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
     cfg = load_config(None, TINY_OVERRIDES + ["train.learner_options.dtype=bfloat16", *sampling])
-    session = build_session(cfg, plugins, _rlctl_home / "cache")
+    session = build_roles(cfg, plugins, _rlctl_home / "cache")
     try:
         assert {p.dtype for p in session.learner.model.parameters()} == {torch.bfloat16}
         _, batch = rollout_batch(session)
@@ -93,11 +93,11 @@ def test_bf16_learner_reconciles_with_the_rollout_within_the_stated_tolerance(pl
 
 def test_fsdp2_bf16_computes_in_bf16_and_keeps_fp32_master_shards_and_moments(tiny_config, plugins, _rlctl_home):
     from rlctl.contracts.types import LearnerContext
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
     from rlctl_fsdp_learner.learner import FsdpLearner
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
 
-    session = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    session = build_roles(tiny_config, plugins, cache_root=_rlctl_home / "cache")
     cfg = session.config
     ctx = LearnerContext(model_dir=str(session.policy_dir), algo=cfg.algo, optim=cfg.train.optim, seed=0,
                          max_response_tokens=cfg.rollout.max_tokens, device="cpu")

@@ -170,7 +170,7 @@ def test_group_size_below_one_is_a_config_error(size: int) -> None:
 
 
 def test_group_size_below_two_for_a_group_baseline_says_how_to_fix() -> None:
-    from rlctl.engine.session import build_estimator
+    from rlctl.placement.build import build_estimator
     from rlctl.hooks.manager import load_plugins
 
     with pytest.raises(ConfigError) as info:  # the estimator knows it needs a group (ppo would accept 1)

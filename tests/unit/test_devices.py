@@ -54,9 +54,9 @@ def _ctx(session, device):
 
 @pytest.fixture(scope="module")
 def session(tiny_config, plugins, _rlctl_home):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    s = build_session(tiny_config.model_copy(update={"train": tiny_config.train.model_copy(update={"device": "cpu"})}),
+    s = build_roles(tiny_config.model_copy(update={"train": tiny_config.train.model_copy(update={"device": "cpu"})}),
                       plugins, cache_root=_rlctl_home / "cache")
     yield s
     s.rollout.close()

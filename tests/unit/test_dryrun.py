@@ -85,7 +85,7 @@ def test_activation_formula_matches_measured_saved_tensors():
     ids = torch.randint(4, 99, (n, t))
     mask = torch.ones_like(ids)
     mask[: n // 2, -3:] = 0  # right padding, as the learner's batches have
-    meter = _DispatchMeter(session=None)
+    meter = _DispatchMeter(roles=None)
     mode = _live_mode(meter)
     with mode:
         logits = model(input_ids=ids, attention_mask=mask).logits
@@ -101,7 +101,7 @@ def test_meter_counts_allocations_and_frees():
 
     from rlctl.ops.dryrun import _DispatchMeter, _live_mode
 
-    meter = _DispatchMeter(session=None)
+    meter = _DispatchMeter(roles=None)
     with _live_mode(meter):
         a = torch.zeros(1000)  # 4000 bytes
         b = a.view(10, 100)  # a view allocates nothing

@@ -9,7 +9,7 @@ from rlctl import AdvantageInputs, PluginError
 from rlctl.algo import gae, whiten
 from rlctl.config.models import AlgoConfig, RunConfig
 from rlctl.contracts.errors import ConfigError
-from rlctl.engine.session import build_estimator, policy_loss
+from rlctl.placement.build import build_estimator, policy_loss
 from rlctl.hooks.manager import load_plugins
 
 PLUGINS = load_plugins()

@@ -328,6 +328,31 @@ def test_back_pressure_on_capacity_and_lag(tmp_path):
         q.reserve(6, timeout=0.05)
 
 
+def test_a_waiting_learner_admits_its_batch_when_the_version_stood_still(tmp_path):
+    """Steps that left the version where it was (critic warm-up, no signal, dropped groups) must not close the
+    window: while the learner waits in take, the batch it waits for is admitted (generated now, fresh when
+    trained); otherwise the window stays where the version puts it."""
+    q = TrajectoryQueue(tmp_path, capacity=8, batch_groups=2, max_ahead=0)
+    for key in (0, 1):
+        q.reserve(key)
+        q.put(make_group(key, version=0))
+    assert keys_of(q.take(2, 0)) == [0, 1]  # step 0 took batch 0 and did not update: the version stays 0
+    with pytest.raises(QueueFull):
+        q.reserve(2, block=False)  # nobody waits for batch 1 yet: the version-0 window ends at batch 0
+    produced = threading.Event()
+
+    def producer() -> None:
+        for key in (2, 3):
+            q.reserve(key, timeout=5)  # blocks until the learner waits for batch 1
+            q.put(make_group(key, version=0))
+        produced.set()
+
+    threading.Thread(target=producer, daemon=True).start()
+    assert keys_of(q.take(2, 0, timeout=5)) == [2, 3] and produced.wait(5)
+    with pytest.raises(QueueFull):
+        q.reserve(4, block=False)  # the take returned: the window is the version's again
+
+
 def test_unreserved_put_blocks_until_take(tmp_path):
     q = TrajectoryQueue(tmp_path, capacity=1)
     q.put(make_group(0))

@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 @pytest.mark.parametrize("gpus", [0.0, 0.5])
 def test_cuda_ranks_without_a_whole_gpu_each_are_refused_naming_the_fix(gpus):
     from rlctl.config.models import ClusterConfig
-    from rlctl.dist.ray_ranks import RayRanks
+    from rlctl.placement.ray_ranks import RayRanks
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
 
     ctx = LearnerContext(model_dir="/nowhere", algo=None, optim=None, seed=0, max_response_tokens=4, device="cuda")

@@ -20,7 +20,7 @@ import pytest
 
 from rlctl.contracts.errors import ConfigError, RoleError
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
-from rlctl.dist.ranks import free_port
+from rlctl.placement.ranks import free_port
 from rlctl.serve.http_common import HttpOptions
 from rlctl.serve.reward import RewardServer, build_reward_service
 
@@ -124,7 +124,7 @@ def test_the_mix_records_each_component_and_names_the_model_in_its_version(plugi
 
 def test_another_reward_model_is_another_grader_and_dataset_version(plugins, rm, tmp_path):
     from rlctl.config.load import load_config
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
     from rlctl.models.reward_model import build_tiny_reward_model
 
     other = LiveRM(build_tiny_reward_model(tmp_path / "rm1", seed=1))
@@ -252,7 +252,7 @@ def test_options_are_validated(plugins):
 
 def test_the_policy_tokenizer_defaults_to_the_policy_model(plugins, tiny_policy_dir):
     from rlctl.config.load import load_config
-    from rlctl.engine.session import reward_options
+    from rlctl.placement.build import reward_options
 
     opts = {"servers": ["http://127.0.0.1:1"]}
     assert reward_options(load_config(None, []), plugins, "reward_model", opts) == opts  # built-in: char tokenizer

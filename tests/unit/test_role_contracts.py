@@ -23,9 +23,12 @@ import torch
 
 from rlctl import WeightUpdate, hookimpl
 from rlctl.contracts.roles import (
+    CapturingLearner,
     CheckpointableLearner,
     ClosableLearner,
     LearnerBackend,
+    LrScalable,
+    RestartableLearner,
     RolloutBackend,
     ShardedCheckpointLearner,
     StatefulRollout,
@@ -47,7 +50,7 @@ def protocol_members(*protocols: type) -> set[str]:
 
 
 LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner,
-                                   ClosableLearner)
+                                   ClosableLearner, CapturingLearner, RestartableLearner, LrScalable)
 ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout)
 
 
@@ -326,7 +329,7 @@ def test_core_touches_only_protocol_members(home: Path, tmp_path: Path) -> None:
 
 
 def _task(config: Any, plugins: Any) -> Any:
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
 
     return load_task(config, plugins)
 

@@ -130,7 +130,7 @@ def run_config(tmp_path: Path, tok: str, *extra: str):
 
 
 def test_template_tokenizer_and_grader_changes_change_the_version_and_resume_refuses(tmp_path, plugins):
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
     from rlctl.engine.snapshot import compatibility_problems
     from tests.unit.test_checkpoint import make_state
 
@@ -179,7 +179,7 @@ def gsm8k_files(tmp_path: Path) -> dict[str, str]:
 
 def test_parquet_source_maps_columns_and_extracts_answers(tmp_path, plugins):
     from rlctl.config.load import load_config
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
 
     files = gsm8k_files(tmp_path)
     opts = "{" + ", ".join(f"{k}: {v}" for k, v in files.items()) + r", prompt_key: question, answer_pattern: '####\s*(\d+)'}"
@@ -290,7 +290,7 @@ def save_gsm8k_like(tmp_path: Path, **extra_columns) -> str:
 
 def test_hf_disk_source_maps_columns_slices_splits_and_extracts_answers(tmp_path, plugins):
     from rlctl.config.load import load_config
-    from rlctl.engine.session import load_task
+    from rlctl.placement.build import load_task
 
     path = save_gsm8k_like(tmp_path)
     opts = (f"{{path: {path}, train: 'train[:-2]', dev: 'train[-2:]', hidden: test, prompt_key: question, "

@@ -18,9 +18,9 @@ from tests.helpers import rollout_batch
 
 @pytest.fixture(scope="module")
 def session(tiny_config, plugins, _rlctl_home):
-    from rlctl.engine.session import build_session
+    from tests.helpers import build_roles
 
-    s = build_session(tiny_config, plugins, cache_root=_rlctl_home / "cache")
+    s = build_roles(tiny_config, plugins, cache_root=_rlctl_home / "cache")
     yield s
     s.rollout.close()
 

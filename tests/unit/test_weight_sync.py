@@ -15,7 +15,7 @@ import torch
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightUpdate
-from rlctl.dist.ranks import free_port
+from rlctl.placement.ranks import free_port
 from rlctl.engine.transports.disk import DiskTransport, fetch_directory, read_manifest
 from rlctl.engine.transports.inprocess import InProcessTransport
 from rlctl.engine.weight_codec import decode_state, encode_state, manifest_from_dict, manifest_to_dict

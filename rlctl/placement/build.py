@@ -1,8 +1,12 @@
-"""Build the roles of a run from its resolved config: task, policy, rollout, learner, reward.
+"""Config names become role objects: task, policy, reward, estimator, critic, and the contexts of the rest.
 
 What this is: the one place config names become objects (through the plugin
-registry, with each plugin's options validated). It fails before any training
-starts if a name, an option, the data or the model is bad.
+registry, with each plugin's options validated), and ``build_common``, what
+every placement builds the same way in the driver's process before it places
+the rollout engines and the learner where they live (rlctl.placement.local,
+rlctl.placement.ray_placement). It fails before any training starts if a name,
+an option, the data or the model is bad, or a loop option cannot work in the
+run's mode (rlctl.engine.spec.check_loop_options).
 
 What this is not: the loop (rlctl.engine.loop) or run bookkeeping (rlctl.ops).
 """
@@ -26,28 +30,9 @@ from rlctl.contracts.types import (
 )
 from rlctl.engine.batching import PromptCursor
 from rlctl.engine.reward_mix import MixedReward
+from rlctl.engine.roles import Roles
+from rlctl.engine.spec import check_loop_options
 from rlctl.hooks.manager import Plugins
-
-
-@dataclass
-class Session:
-    config: RunConfig
-    task: TaskData
-    policy_dir: Path
-    tokenizer: Any
-    tokenizer_hash: str
-    rollout: RolloutBackend
-    learner: LearnerBackend
-    reward: MixedReward
-    cursor: PromptCursor
-    sampling: SamplingConfig
-    estimator: AdvantageEstimator
-    critic: CriticBackend | None = None  # the value model, when the estimator needs one
-    reward_factory: Callable[[], MixedReward] | None = None  # a fresh grader, for retries after a timeout/crash
-    reward_pool: Any = None  # a RewardPool when reward.workers > 1; the loop then grades through it
-    queue: Any = None  # the live TrajectoryQueue of an overlapped run (rlctl.engine.async_loop); None when sync
-    queue_cursor: Mapping[str, Any] | None = None  # a restored checkpoint's queue cursor, applied when the queue opens
-    learner_ctx: LearnerContext | None = None  # what the learner was built with (a Ray learner actor is built alike)
 
 
 def load_task(config: RunConfig, plugins: Plugins, reward: MixedReward | None = None) -> TaskData:
@@ -130,6 +115,7 @@ def build_estimator(config: RunConfig, plugins: Plugins) -> AdvantageEstimator:
     if config.algo.group_size < estimator.min_group_size:
         raise ConfigError(f"algo.group_size must be >= {estimator.min_group_size} for {config.algo.name}'s group "
                           f"baseline (got {config.algo.group_size})", "set algo.group_size=8")
+    check_loop_options(config, estimator)
     return estimator
 
 
@@ -181,45 +167,63 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def learner_context(config: RunConfig, estimator: AdvantageEstimator, policy_dir: Path) -> LearnerContext:
-    """What the learner is built with; under ``cluster.backend=ray`` a sharded learner's ranks become Ray actors."""
-    launcher = None
-    if config.cluster.backend == "ray":
-        from functools import partial
-
-        from rlctl.dist.ray_ranks import RayRanks  # imports ray; starts nothing until a sharded learner calls it
-
-        launcher = partial(RayRanks, config.cluster)
+def learner_context(config: RunConfig, estimator: AdvantageEstimator, policy_dir: Path,
+                    rank_launcher: Any = None) -> LearnerContext:
+    """What the learner is built with; ``rank_launcher`` (the placement's) starts a sharded learner's ranks."""
     return LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim, seed=config.run.seed,
                           max_response_tokens=config.rollout.max_tokens, deterministic=config.train.deterministic,
                           device=config.train.device, policy_loss=policy_loss(config, estimator),
-                          rank_launcher=launcher)
+                          rank_launcher=rank_launcher)
 
 
-def build_session(config: RunConfig, plugins: Plugins, cache_root: Path,
-                  progress: Callable[[int, int, float], None] | None = None, task: TaskData | None = None) -> Session:
-    """Build every role of a run; ``task`` skips loading the task when the caller already has it."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Common:
+    """What every placement builds the same way, in the driver's process, before it places rollout and learner."""
+
+    config: RunConfig
+    task: TaskData
+    policy_dir: Path
+    tokenizer: Any
+    tokenizer_hash: str
+    reward: MixedReward
+    estimator: AdvantageEstimator
+
+    def rollout_context(self, index: int = 0) -> RolloutContext:
+        """Rollout worker ``index``'s context: its own seed (run.seed + 1000 * index)."""
+        return RolloutContext(model_dir=str(self.policy_dir), tokenizer_hash=self.tokenizer_hash,
+                              seed=self.config.run.seed + 1000 * index)
+
+    def build_rollout(self, plugins: Plugins, index: int = 0) -> RolloutBackend:
+        """A rollout backend in this process (worker ``index``)."""
+        r = self.config.rollout
+        return plugins.build("rollout_backend", r.backend, r.options, "rollout.options", ctx=self.rollout_context(index))
+
+    def roles(self, plugins: Plugins, *, rollout: RolloutBackend, learner: LearnerBackend,
+              critic: CriticBackend | None, reward_pool: Any) -> Roles:
+        config = self.config
+        return Roles(config=config, task=self.task, policy_dir=self.policy_dir, tokenizer=self.tokenizer,
+                     tokenizer_hash=self.tokenizer_hash, rollout=rollout, learner=learner, reward=self.reward,
+                     estimator=self.estimator, critic=critic, sampling=sampling_config(config),
+                     cursor=PromptCursor(self.task.train, seed=config.run.seed,
+                                         batch_size=config.algo.prompts_per_step,
+                                         length_window=config.task.length_grouping),
+                     reward_factory=lambda: build_reward(config, plugins), reward_pool=reward_pool)
+
+
+def build_common(config: RunConfig, plugins: Plugins, cache_root: Path,
+                 progress: Callable[[int, int, float], None] | None = None, task: TaskData | None = None) -> Common:
+    """Seed the process, then build the cheap roles first (a bad name fails before any model work), the task,
+    the starting policy (warm-started when built in) and its tokenizer; ``task`` skips loading the task."""
     from transformers import AutoTokenizer
 
     from rlctl.models.tokenizer import tokenizer_hash
 
     seed_everything(config.run.seed, config.train.deterministic)
-    reward = build_reward(config, plugins)  # cheap checks first: fail before any model work
+    reward = build_reward(config, plugins)
     estimator = build_estimator(config, plugins)
     task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-    rollout = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
-                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tok_hash, seed=config.run.seed))
-    lctx = learner_context(config, estimator, policy_dir)
-    learner = plugins.build("learner_backend", config.train.learner, config.train.learner_options,
-                            "train.learner_options", ctx=lctx)
-    return Session(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
-                   rollout=rollout, learner=learner, reward=reward,
-                   cursor=PromptCursor(task.train, seed=config.run.seed, batch_size=config.algo.prompts_per_step,
-                                       length_window=config.task.length_grouping),
-                   sampling=sampling_config(config), estimator=estimator, learner_ctx=lctx,
-                   critic=build_critic(config, plugins, policy_dir) if estimator.needs_critic else None,
-                   reward_factory=lambda: build_reward(config, plugins),
-                   reward_pool=build_reward_pool(config))
+    return Common(config=config, task=task, policy_dir=policy_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
+                  reward=reward, estimator=estimator)

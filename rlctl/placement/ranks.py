@@ -5,7 +5,7 @@ What this is: ``free_port`` (a rendezvous port on this host), ``init_group``
 CUDA tensors with gloo beside it for CPU ones) and ``rank_device`` (the device
 string a rank builds its shard on). The rank groups themselves live with the
 learners that use them (rlctl_fsdp_learner.learner.LocalRanks: processes on
-this node; rlctl.dist.ray_ranks.RayRanks: Ray actors).
+this node; rlctl.placement.ray_ranks.RayRanks: Ray actors).
 
 What this is not: a launcher; nothing here starts a process.
 """

@@ -1,9 +1,9 @@
 """A sharded learner's ranks as Ray actors: ``train.learner`` fsdp2 / deepspeed with ``cluster.backend=ray``.
 
 What this is: ``RayRanks``, the Ray counterpart of rlctl_fsdp_learner's
-LocalRanks behind the same RankGroup learner (the session passes it as the
-learner context's ``rank_launcher``). Every rank, rank 0 included, is a
-RankActor in a placement group of ``world_size`` bundles
+LocalRanks behind the same RankGroup learner (the Ray placement passes a
+launcher of it as the learner context's ``rank_launcher``). Every rank, rank 0
+included, is a RankActor in a placement group of ``world_size`` bundles
 (``cluster.learner_num_cpus`` / ``learner_num_gpus`` each, placed by
 ``cluster.placement_strategy``); the driver holds no shard and no GPU. A call
 goes to every rank at once, its arguments put in the object store once, and
@@ -28,14 +28,14 @@ Failures:
   ranks that gave no answer within ``rank_timeout_s`` after that are named
   too, so a hung rank is reported, never waited on forever.
 
-The group lives as long as the session whose learner it is; each run's
-placement arms the run's faults in its ranks, again when a fault is armed
-while the run trains (``rlctl inject --run RUN``) and after Ray restarts
-them (from the broker's plan as it is then), and disarms them when it closes
-(``arm``). This is one of the two modules of rlctl that import ray.
+The group lives as long as the placement that launched it, which arms the
+run's faults in its ranks when they join, again when a fault is armed while
+the run trains (``rlctl inject --run RUN``) and after Ray restarts them (from
+the broker's plan as it is then). Like every ``ray_*`` module of
+rlctl.placement, it imports ray; nothing else in rlctl does.
 
 What this is not: the ranks' maths (the learner plugins) or the rollout and
-reward actors (rlctl.dist.ray).
+reward actors (rlctl.placement.ray_placement).
 """
 
 from __future__ import annotations
@@ -51,12 +51,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlctl.contracts.errors import CheckpointError, ConfigError, RoleError
 from rlctl.contracts.types import LearnerContext, WeightUpdate
-from rlctl.dist.ranks import free_port, init_group, rank_device
-from rlctl.dist.ray import (
-    _LOST, READY_TIMEOUT_S, ActorReset, StoredWeights, _arm_faults, _reconstructed, _threads, _wait_alive, connect,
-    reserve,
-)
-from rlctl.engine.async_loop import LearnerLost
+from rlctl.contracts.errors import LearnerLost
+from rlctl.placement.ranks import free_port, init_group, rank_device
+from rlctl.placement.ray_actors import ActorReset, StoredWeights, arm_faults, reconstructed, set_threads
+from rlctl.placement.ray_cluster import LOST, READY_TIMEOUT_S, connect, reserve, wait_alive
 
 
 @ray.remote
@@ -65,10 +63,10 @@ class RankActor:
 
     def __init__(self, make_rank: Any, ctx: LearnerContext, options: Any, rank: int, world: int,
                  threads: int) -> None:
-        _threads(threads)
+        set_threads(threads)
         self.make_rank, self.ctx, self.options, self.rank, self.world = make_rank, ctx, options, rank, world
         self.me: Any = None  # built by join, once the group is up
-        self.reset = _reconstructed()  # a restart serves nothing until the driver restores (or accepts) its state
+        self.reset = reconstructed()  # a restart serves nothing until the driver restores (or accepts) its state
         self._disarm: Any = lambda: None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -97,7 +95,7 @@ class RankActor:
         """Arm the run's faults here: the plan of the placement's fault broker as it is now (``faults`` is the
         relay's claims; None disarms them)."""
         self._disarm()
-        self._disarm = _arm_faults(faults)
+        self._disarm = arm_faults(faults)
 
     def _check(self) -> None:
         if self.me is None or self.reset:
@@ -146,7 +144,8 @@ class RayRanks:
 
     remote = True
 
-    def __init__(self, cluster: Any, make_rank: Any, label: str, ctx: LearnerContext, options: Any) -> None:
+    def __init__(self, cluster: Any, make_rank: Any, label: str, ctx: LearnerContext, options: Any,
+                 faults: Any = None) -> None:
         gpus = cluster.learner_num_gpus
         if ctx.device.startswith("cuda") and gpus < 1:
             raise ConfigError(f"train.device is {ctx.device!r} but each {label} rank actor is given "
@@ -154,7 +153,7 @@ class RayRanks:
                               "two ranks on one device)",
                               "set cluster.learner_num_gpus=1, or train.device=cpu")
         self.label, self.options, self.world = label, options, options.world_size
-        self._faults: Any = None
+        self._faults: Any = faults  # the placement's fault claims: every rank arms the run's faults when it joins
         self._broken: str | None = None
         self._restarted = False  # the ranks were restarted: only a restore (or accepting their initial state) runs
         self._closed = False
@@ -208,7 +207,7 @@ class RayRanks:
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except (*_LOST, ActorReset) as err:
+            except (*LOST, ActorReset) as err:
                 self._restart()
                 raise LearnerLost(f"learner rank {rank} was lost during {what} ({type(err).__name__})") from err
             except Exception as err:  # noqa: BLE001 - the rank's own error, reported by rank
@@ -228,7 +227,7 @@ class RayRanks:
                 pass
         self._restarted = True
         for rank, actor in enumerate(self.actors):
-            _wait_alive(actor, f"learner rank {rank}")
+            wait_alive(actor, f"learner rank {rank}")
         self._join()
 
     def _fail(self, what: str, rank: int, err: BaseException, stuck: list[int]) -> None:

@@ -1,0 +1,114 @@
+"""In-process placement: every role is built in this process; rollout workers are threads.
+
+What this is: ``LocalPlacement``. In ``mode: sync`` the run's one rollout
+engine is the rollout role itself. In the overlapped modes the rollout role is
+a RolloutFleet of ``cluster.num_rollout_workers`` LocalWorkers, each a backend
+instance built from the same plugin and options with its own seed (worker 0
+with the run's seed), served by its own producer thread; threads overlap
+generation with training because torch releases the GIL inside its kernels.
+A sharded learner starts its ranks as local processes (no rank launcher).
+
+What this is not: a process supervisor. A local worker whose backend raises
+RuntimeError / OSError / RolloutUnavailable (its engine died, e.g. every
+SGLang server behind the ``sglang`` plugin is down) is rebuilt in place
+(``restart``) up to ``cluster.max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rlctl.config.models import RunConfig
+from rlctl.contracts.errors import RolloutUnavailable, WorkerLost
+from rlctl.contracts.roles import ClosableLearner, RolloutBackend
+from rlctl.contracts.types import RolloutRequest, TaskData, Trajectory, WeightUpdate
+from rlctl.engine.producers import RolloutFleet
+from rlctl.engine.roles import Roles
+from rlctl.engine.spec import overlapped
+from rlctl.hooks.manager import Plugins
+from rlctl.placement.build import build_common, build_critic, build_reward_pool, learner_context
+
+# Model loading goes through process-global state (default device / init contexts in transformers):
+# two threads building a backend at once can leave one model with meta tensors. Builds take turns.
+_BUILD_LOCK = threading.Lock()
+
+
+class LocalWorker:
+    """A rollout backend in this process, served by one producer thread; RolloutWorker for the overlapped driver."""
+
+    def __init__(self, name: str, build: Callable[[], RolloutBackend]) -> None:
+        self.name, self._build = name, build
+        with _BUILD_LOCK:
+            self.backend = build()
+        self._dead: list[RolloutBackend] = []
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        try:
+            return self.backend.generate(requests)
+        except (RuntimeError, OSError, RolloutUnavailable) as err:  # rebuild the backend, regenerate the prompts
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        try:
+            self.backend.update_weights(update)
+        except RolloutUnavailable as err:
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+
+    def restart(self) -> None:
+        """A new backend instance (it starts from the run's initial model; the driver loads current weights next)."""
+        try:
+            with _BUILD_LOCK:
+                backend = self._build()
+        except RolloutUnavailable as err:  # its engine is not back yet: counted as one more failure
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+        self._dead.append(self.backend)  # closed with the worker, never while a call may still be in it
+        self.backend = backend
+
+    def close(self) -> None:
+        for backend in [*self._dead, self.backend]:
+            backend.close()
+
+
+class LocalPlacement:
+    """Builds every role of a run in this process; ``roles`` are ready once it is constructed."""
+
+    def __init__(self, config: RunConfig, plugins: Plugins, cache_root: Path,
+                 progress: Callable[[int, int, float], None] | None = None, task: TaskData | None = None,
+                 fleet: bool = False) -> None:
+        common = build_common(config, plugins, cache_root, progress, task)
+        self._closers: list[Callable[[], None]] = []
+        try:
+            if fleet or overlapped(config):  # worker 0 now, the others once the learner is built (the order seeds follow)
+                first: Any = LocalWorker("local-0", lambda: common.build_rollout(plugins, 0))
+            else:
+                first = common.build_rollout(plugins, 0)
+            self._closers.append(first.close)
+            learner = plugins.build("learner_backend", config.train.learner, config.train.learner_options,
+                                    "train.learner_options", ctx=learner_context(config, common.estimator,
+                                                                                 common.policy_dir))
+            if isinstance(learner, ClosableLearner):  # a sharded learner's local rank processes
+                self._closers.append(learner.close)
+            critic = build_critic(config, plugins, common.policy_dir) if common.estimator.needs_critic else None
+            pool = build_reward_pool(config)
+            if pool is not None:
+                self._closers.append(pool.close)
+            rollout = first
+            if isinstance(first, LocalWorker):
+                workers = [first]
+                for i in range(1, config.cluster.num_rollout_workers):
+                    workers.append(LocalWorker(f"local-{i}", lambda i=i: common.build_rollout(plugins, i)))
+                    self._closers.append(workers[-1].close)
+                rollout = RolloutFleet(workers)
+            self.roles: Roles = common.roles(plugins, rollout=rollout, learner=learner, critic=critic,
+                                             reward_pool=pool)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close every role built here (idempotent)."""
+        closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            close()
