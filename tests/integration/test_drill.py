@@ -1,6 +1,6 @@
 """``rlctl drill`` through the CLI: a fast subset of the drills, each a real child ``rlctl train`` with a fault.
 
-The whole drill (nine drills, about 3 minutes on 2 idle cores) stays a command; CI runs the two that need
+The whole drill (nine drills; 150 s on the 2-core box at load 2-3) stays a command; CI runs the two that need
 one child run each and no rollout server (NaN rollback, verifier timeouts), and checks the table, the exit
 code and that every result is stored in the registry as a ``drill`` event on its run (about 30 s on 2 cores,
 so it is not marked slow).
