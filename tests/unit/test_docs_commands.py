@@ -8,7 +8,7 @@ every option is known and takes the values given, there are no extra arguments; 
 ``--axis`` keys name real config keys; a config path it names exists. Placeholders are written in
 capitals (``RUN``, ``CONFIG``, ``DIR``), braces or angle brackets, and ``[...]`` marks optional
 parts. A config key quoted on its own (```algo.name```, ```faults.watchdog_timeout_s: 5```, or
-anywhere in a runbook) must exist too. Failures name file:line.
+anywhere in a runbook) must exist too, and every relative link must point at a file. Failures name file:line.
 
 What this is not: a check that a command succeeds, or of plugin options below ``*.options``.
 """
@@ -355,3 +355,13 @@ def test_placeholders_and_optional_parts_are_understood(cli):
         argv = rlctl_argv(text)
         assert argv is not None and command_problem(cli, argv) is None, (text, argv, command_problem(cli, argv))
     assert rlctl_argv("python scripts/sweep_quickstart.py --grid ppo") is None
+
+
+def test_every_relative_link_points_at_a_file():
+    broken = []
+    for path in DOCS:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", line):
+                if not re.match(r"[a-z]+://", target) and not (path.parent / target).exists():
+                    broken.append(f"{_rel(path)}:{number}: {target}")
+    assert broken == [], "broken links:\n" + "\n".join(broken)
