@@ -7,8 +7,9 @@ parsed by the real CLI (click's ``make_context``: nothing runs): the command and
 every option is known and takes the values given, there are no extra arguments; its overrides and
 ``--axis`` keys name real config keys; a config path it names exists. Placeholders are written in
 capitals (``RUN``, ``CONFIG``, ``DIR``), braces or angle brackets, and ``[...]`` marks optional
-parts. A config key quoted on its own (```algo.name```, ```faults.watchdog_timeout_s: 5```, or
-anywhere in a runbook) must exist too, and every relative link must point at a file. Failures name file:line.
+parts. A config key quoted on its own in a code span (``algo.name``, ``faults.watchdog_timeout_s: 5``),
+or named anywhere in a runbook, must exist too, and every relative link must point at a file. Failures
+name file:line.
 
 What this is not: a check that a command succeeds, or of plugin options below ``*.options``.
 """
