@@ -20,7 +20,9 @@ builds the module-level import graph of the ``rlctl`` package, folds it to packa
     python scripts/architecture_graph.py --write docs/architecture.md   # refresh its generated section
     python scripts/architecture_graph.py --check-doc docs/architecture.md  # exit 1 when that is stale
 
-Tests call ``problems()`` (a list of one-line strings) and ``doc_is_current(path)``.
+    python scripts/architecture_graph.py --plugins            # plugin imports outside PLUGIN_MAY_IMPORT
+
+Tests call ``problems()`` and ``plugin_problems()`` (lists of one-line strings) and ``doc_is_current(path)``.
 
 What this is not: a checker of what a module does at run time (``importlib`` calls and entry-point
 strings are not followed), and a package-level import implies nothing about which names are used.
@@ -56,6 +58,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("kit",),
 )
+
+# What a plugin may import from rlctl (the module itself, or anything below these); a plugin never imports
+# another plugin.
+PLUGIN_MAY_IMPORT = ("rlctl", "rlctl.kit", "rlctl.contracts")
 
 BEGIN = "<!-- architecture_graph.py: generated from here; edit the script, not this section -->"
 END = "<!-- architecture_graph.py: generated up to here -->"
@@ -311,6 +317,24 @@ def plugin_imports(plugins_root: Path = REPO / "plugins", root: Path = REPO / "r
     return {k: dict(v) for k, v in sorted(out.items())}
 
 
+def plugin_problems(plugins_root: Path = REPO / "plugins", root: Path = REPO / "rlctl",
+                    allowed: Sequence[str] = PLUGIN_MAY_IMPORT) -> list[str]:
+    """Every import in a plugin of an rlctl module outside ``allowed``, or of another plugin, one line each."""
+    known, _ = scan(root)
+    plugins = {p.name for p in plugins_root.iterdir() if (p / "__init__.py").is_file()}
+    out = []
+    for path in sorted(plugins_root.glob("*/**/*.py")):
+        own = path.relative_to(plugins_root).parts[0]
+        module = _plugin_module(path, plugins_root)
+        for stmt, kind in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            for target in dict.fromkeys(_targets(stmt, module, path.name == "__init__.py", known)):
+                head = target.split(".")[0]
+                inside = target in allowed or target.startswith(tuple(f"{a}." for a in allowed if a != "rlctl"))
+                if (head == "rlctl" and not inside) or (head in plugins and head != own):
+                    out.append(f"{_rel(path)}:{stmt.lineno}: {own} imports {target} ({kind})")
+    return out
+
+
 def _mermaid_id(package: str) -> str:
     return f"pkg_{package}"
 
@@ -374,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=REPO / "rlctl", help="The rlctl package folder.")
     parser.add_argument("--check", action="store_true", help="Exit 1 if there are cycles or layer violations.")
+    parser.add_argument("--plugins", action="store_true", help="List plugin imports outside PLUGIN_MAY_IMPORT "
+                        "or of another plugin; exit 1 if there are any.")
     parser.add_argument("--write", type=Path, metavar="DOC", help="Refresh DOC's generated section.")
     parser.add_argument("--check-doc", type=Path, metavar="DOC", help="Exit 1 if DOC's generated section is stale.")
     args = parser.parse_args(argv)
@@ -387,6 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.check_doc} is stale: run python scripts/architecture_graph.py --write {args.check_doc}",
               file=sys.stderr)
         return 1
+    if args.plugins:
+        found = plugin_problems(root=args.root)
+        print("\n".join(found) if found else "plugins import only " + ", ".join(PLUGIN_MAY_IMPORT))
+        return 1 if found else 0
     if args.check:
         found = problems(args.root)
         print("\n".join(found) if found else "no cycles, no imports against the floors")

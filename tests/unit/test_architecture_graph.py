@@ -92,3 +92,16 @@ def test_docs_architecture_md_is_current():
     out = subprocess.run([sys.executable, str(SCRIPT), "--check-doc", str(REPO / "docs" / "architecture.md")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_plugin_imports_outside_the_public_surface_are_named(graph, tmp_path):
+    root = _package(tmp_path, {"contracts/types.py": "", "engine/faults.py": ""})
+    plugins = tmp_path / "plugins"
+    for name, text in {"p_one/__init__.py": "", "p_one/plugin.py": (
+            "from rlctl import hookimpl\nfrom rlctl.contracts.types import X\nfrom rlctl.engine import faults\n"
+            "def f():\n    import p_two.learner\n"),
+            "p_two/__init__.py": "", "p_two/learner.py": "from . import helper\n", "p_two/helper.py": ""}.items():
+        (plugins / name).parent.mkdir(parents=True, exist_ok=True)
+        (plugins / name).write_text(text)
+    found = [line.split(": ", 1)[1] for line in graph.plugin_problems(plugins, root)]
+    assert found == ["p_one imports rlctl.engine.faults (top)", "p_one imports p_two.learner (lazy)"]
