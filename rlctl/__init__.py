@@ -14,6 +14,7 @@ from rlctl.contracts.errors import (
     RlctlError,
     RoleError,
     RolloutUnavailable,
+    RunbookError,
 )
 from rlctl.contracts.types import (
     CheckpointManifest,
@@ -62,5 +63,6 @@ __all__ = [
     "CheckpointError",
     "RoleError",
     "RolloutUnavailable",
+    "RunbookError",
     "__version__",
 ]

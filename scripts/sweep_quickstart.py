@@ -42,7 +42,7 @@ GRIDS: dict[str, list[list[str]]] = {
         ["rollout.temperature=0.7"],
     ],
     # Why 60 GRPO steps from a 40%-dev warm start gained on one machine and not on another, and what gains from
-    # more than one warm start (README, "What the quickstart does"). Every row names its warm start in full:
+    # more than one warm start (docs/results.md). Every row names its warm start in full:
     # W40 = target 40% (the earlier quickstart), W30 = target 30% (now the default), W30s1 = the same with SFT seed 1.
     "robust": [
         ["model.warm_start.target_dev_accuracy=0.4", "train.steps=60"],  # 0: W40, the earlier quickstart
@@ -68,7 +68,7 @@ GRIDS: dict[str, list[list[str]]] = {
         ["model.warm_start.target_dev_accuracy=0.4"],  # 18: W40, 100 steps
         ["model.warm_start.target_dev_accuracy=0.5", "train.steps=60"],  # 19: W50
     ],
-    # The recipe sweeps (README, Algorithms): from the quickstart's warm start and step count, every estimator's
+    # The recipe sweeps (docs/algorithms.md): from the quickstart's warm start and step count, every estimator's
     # row 0 is the quickstart's lr 2e-5, rows 1-2 lr 1e-5 / 4e-5, row 3 its own knob at 2e-5. Run with --seeds 3.
     "ppo": [
         ["algo.name=ppo"],  # the quickstart's algo.critic block: 10 critic-only warm-up steps

@@ -12,20 +12,26 @@ from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
 
 
 def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/quickstart.yaml."),
+           overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides applied to every cell, "
+                                                           "e.g. train.steps=20."),
            axis: List[str] = typer.Option(..., "--axis", help="KEY=v1,v2[,...]: one axis of the matrix (repeat "
                                           "for more); the first value of every axis is the baseline cell."),
            seeds: int = typer.Option(3, "--seeds", help="Seeds per cell (run.seed, run.seed+1, ...)."),
            budget_tokens: Optional[int] = typer.Option(None, "--budget-tokens", min=1, help="Generated response "
                                                        "tokens per run (default: what the baseline cell's first "
                                                        "seed generates in train.steps steps)."),
-           overrides: Optional[List[str]] = typer.Option(None, "--set", help="key=value applied to every cell."),
+           old_set: Optional[List[str]] = typer.Option(None, "--set", hidden=True),
            registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Compare config choices honestly: same warm start, same generated-token budget, several seeds,
     paired bootstrap CIs on the hidden split. Re-running the same command continues an interrupted ablation."""
     from rlctl.config.load import load_config
+    from rlctl.contracts.errors import ConfigError
     from rlctl.hooks.manager import load_plugins
     from rlctl.ops import ablate as ops
 
+    if old_set:  # the one override syntax of every command that takes a config: positional, after CONFIG
+        raise ConfigError("rlctl ablate takes overrides after the config, not as --set",
+                          f"rlctl ablate {config} {' '.join(old_set)} --axis ...")
     home = rlctl_home()
     p = ops.plan(load_config(config, overrides or []), axis, seeds, budget_tokens)
     plugins = load_plugins()

@@ -264,8 +264,8 @@ class FaultSpec(_Strict):
     """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
 
     kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, "
-                      "bad-checkpoint, learner-crash, slow-rollout, worker-crash, network-partition, "
-                      "weight-sync-failure (see `rlctl plugins`).")
+                      "bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
+                      "network-partition, weight-sync-failure (see `rlctl plugins`).")
     at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
     count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
     rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples hit (verifier faults).")

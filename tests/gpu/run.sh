@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks (never in CI: no GPU there). Needs one CUDA GPU and the project's venv with the bench and ray extras
 # (pip install -e '.[dev,bench,ray]'); downloads nothing: every model is built from a config with random weights.
-# Budget: at most 8 minutes on one GPU (an estimate: this script has not been run on a GPU yet, see README).
+# Budget: at most 8 minutes on one GPU (an estimate: this script has not been run on a GPU yet, see docs/gpus.md).
 #   1. pytest -m gpu tests/gpu: cuda placement and fp32 reconciliation, bf16 on GPU with fp32 optimizer state
 #      and the bf16 reconciliation, FSDP2 with NCCL on one GPU (train, sharded checkpoint, reload, export),
 #      an FSDP2 rank as a Ray actor on its own GPU, a colocated local engine (fractional KV budget, weights

@@ -10,9 +10,9 @@ import pytest
 from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_cli import REPO, _assert_one_line_error, rlctl
 
-SETS = [arg for o in TINY_OVERRIDES if not o.startswith("train.steps") for arg in ("--set", o)]
-ARGS = ["ablate", "configs/quickstart.yaml", "--axis", "algo.name=grpo,rloo", "--seeds", "2", *SETS,
-        "--set", "train.steps=2"]
+OVERRIDES = [o for o in TINY_OVERRIDES if not o.startswith("train.steps")]
+ARGS = ["ablate", "configs/quickstart.yaml", *OVERRIDES, "train.steps=2", "--axis", "algo.name=grpo,rloo",
+        "--seeds", "2"]
 
 
 @pytest.fixture()
@@ -24,6 +24,20 @@ def home(tmp_path: Path, _rlctl_home: Path, tiny_policy_dir) -> Path:
 def test_bad_axis_is_one_line(home):
     _assert_one_line_error(rlctl("ablate", "configs/quickstart.yaml", "--axis", "algo.name", home=home),
                            "--axis", "KEY=v1,v2")
+
+
+def test_set_is_refused_with_the_positional_form(home):
+    result = rlctl("ablate", "configs/quickstart.yaml", "--axis", "algo.name=grpo,rloo", "--set", "train.steps=2",
+                   home=home)
+    _assert_one_line_error(result, "--set")
+    assert "hint: rlctl ablate configs/quickstart.yaml train.steps=2 --axis" in result.stderr
+
+
+def test_overrides_follow_the_config_like_train(home):
+    """A bad override is found before anything runs, with the same message `rlctl train` gives."""
+    result = rlctl("ablate", "configs/quickstart.yaml", "algo.grup_size=4", "--axis", "algo.name=grpo,rloo",
+                   home=home)
+    _assert_one_line_error(result, "algo.grup_size", "algo.group_size")
 
 
 def test_unknown_estimator_fails_before_anything_is_recorded(plugins, tmp_path):

@@ -73,7 +73,7 @@ QUICKSTART_RECIPES = sorted(p for p in (REPO / "configs").glob("quickstart-*.yam
 def test_quickstart_recipes_are_the_quickstart_with_one_estimator():
     """configs/quickstart-<name>.yaml names estimator <name>, and everything the algorithm table holds fixed is the
     quickstart's: task, rollout, reward, eval, step count, batch shape (16 prompts x 8). Only the estimator's settings
-    and the lr (swept on dev, README) may differ, so the recipes cannot drift from the quickstart again."""
+    and the lr (swept on dev, docs/algorithms.md) may differ, so the recipes cannot drift from the quickstart again."""
     base = load_config(REPO / "configs" / "quickstart.yaml")
     names = {p.name.removeprefix("quickstart-").removesuffix(".yaml") for p in QUICKSTART_RECIPES}
     assert names == {"dapo", "dr_grpo", "gspo", "ppo", "reinforce_pp", "rloo"}
