@@ -77,8 +77,7 @@ def test_rank_actors_match_the_torch_learner_and_a_killed_rank_is_restored_from_
         ray_cluster, tiny_session, tmp_path, name):
     from rlctl.dist.ray import StoredWeights
     from rlctl.engine.async_loop import LearnerLost
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     session = tiny_session
     batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
