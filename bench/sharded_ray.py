@@ -82,9 +82,9 @@ def learners(ctx: Any) -> dict[str, tuple[Any, float]]:
     """name -> (learner, start-up seconds)."""
     from rlctl.config.models import ClusterConfig
     from rlctl.placement.ray_ranks import RayRanks
+    from rlctl.kit import TorchLearner
     from rlctl_fsdp_learner.learner import FsdpLearner
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
-    from rlctl_torch_learner.learner import TorchLearner
 
     out = {}
     options = FsdpLearnerOptions(world_size=2, rank_timeout_s=600)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-import rlctl.algo as F  # the tensor maths, by its public names (rlctl/algo/__init__.py lists them once)
+import rlctl.kit.algo as F  # the tensor maths, by its public names (rlctl/algo/__init__.py lists them once)
 from rlctl import AdvantageInputs, ConfigError
 
 

@@ -3,7 +3,7 @@
 What this is: a LearnerBackend driven like the FSDP2 learner (rank 0 is the
 training process, ranks 1..N-1 are spawned followers running its commands, a
 dead rank is a RoleError naming it; the group machinery is
-rlctl_fsdp_learner's). Each rank loads the policy in fp32, builds the torch
+rlctl.kit.RankGroup). Each rank loads the policy in fp32, builds the torch
 learner's AdamW over it (a client optimizer: no fused-Adam JIT) and hands both
 to ``deepspeed.initialize`` with ZeRO stage 1, 2 or 3. The update maths is the
 torch learner's (``_Rank`` subclasses ``TorchLearner``): PPO epochs x
@@ -24,7 +24,7 @@ On CPU DeepSpeed picks its CPU accelerator and gloo. Its first process-group
 init JIT-compiles a small shared-memory op (about 40 s on 2 cores); the build
 is cached in ``TORCH_EXTENSIONS_DIR`` (default here: ``$RLCTL_HOME/cache/torch_extensions``).
 
-Checkpoints are sharded and use the FSDP2 learner's layout (rlctl.engine.shards),
+Checkpoints are sharded and use the FSDP2 learner's layout (rlctl.kit.shards),
 not DeepSpeed's own files: for each parameter the ranks assemble the full fp32
 master weight and AdamW moments from their ZeRO partitions (DeepSpeed's
 ``safe_get_full_*``, one parameter at a time) and keep only their row block
@@ -53,11 +53,10 @@ import torch
 
 from rlctl import CheckpointError
 from rlctl.contracts.types import LearnerContext, LearnerState
-from rlctl.engine import shards
+from rlctl.kit import (
+    RankGroup, ShardedCheckpoints, TorchLearner, TorchLearnerOptions, check_same_model, sharded_state, shards,
+)
 from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions
-from rlctl_fsdp_learner.learner import RankGroup, ShardedCheckpoints, check_same_model, sharded_state
-from rlctl_torch_learner.learner import TorchLearner
-from rlctl_torch_learner.options import TorchLearnerOptions
 
 
 def _quiet_environment() -> None:
@@ -110,7 +109,7 @@ class _Rank(TorchLearner):
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed reads the launcher's variables (LOCAL_RANK picks its CUDA device: a Ray actor sees only its own
-        # GPU, cuda:0); the group itself is already up (rlctl.placement.ranks.init_group)
+        # GPU, cuda:0); the group itself is already up (joined by LocalRanks or the Ray rank actor)
         local = torch.device(ctx.device).index if ctx.device.startswith("cuda") else rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local or 0), WORLD_SIZE=str(world))
         _forget_previous_groups()

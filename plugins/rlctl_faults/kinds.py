@@ -1,7 +1,7 @@
 """Fault kinds: each arms a handler at the real place where that failure happens.
 
 What this is: one small class per kind. ``arm(ctx)`` registers a handler at a
-fault site (rlctl.engine.faults) and returns its disarm function. Each
+fault site (rlctl.kit.arm) and returns its disarm function. Each
 handler produces the real failure, never a log line that pretends one:
 
 - ``nan``: multiplies the learner's loss by NaN at ``learner.loss``, so the
@@ -57,7 +57,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlctl.engine.faults import FaultContext, arm
+from rlctl.kit import FaultContext, arm
 
 
 class _Options(BaseModel):

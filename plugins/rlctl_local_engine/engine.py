@@ -32,13 +32,10 @@ import torch
 
 from rlctl import ConfigError, RoleError, RolloutRequest, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext
-from rlctl.engine.faults import fault_site
-from rlctl.engine.weight_apply import apply_update
-from rlctl.models.device import placed, resolve_device
-from rlctl.models.fingerprint import fingerprint
-from rlctl.models.load import load_policy
-from rlctl.ops.memory import fmt_bytes, kv_budget_rows, kv_cache_bytes
-from rlctl.ops.shapes import from_hf_config
+from rlctl.kit import (
+    apply_update, fault_site, fingerprint, fmt_bytes, from_hf_config, kv_budget_rows, kv_cache_bytes, load_policy,
+    placed, resolve_device,
+)
 from rlctl_local_engine.options import LocalEngineOptions
 from rlctl_local_engine.sampler import sample
 

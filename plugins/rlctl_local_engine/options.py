@@ -41,7 +41,7 @@ class LocalEngineOptions(BaseModel):
         if isinstance(value, bool):
             raise ValueError("kv_cache_budget is a size or a fraction, not a boolean; write e.g. 2GiB or 0.3")
         if isinstance(value, str):
-            from rlctl.ops.memory import parse_bytes
+            from rlctl.kit import parse_bytes
 
             text = value.strip()
             try:

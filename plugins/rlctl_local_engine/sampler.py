@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from rlctl import SamplingConfig, TerminalReason
-from rlctl.algo.sampling import process_logits
+from rlctl.kit.algo import process_logits
 
 _REASONS = (TerminalReason.LENGTH, TerminalReason.EOS, TerminalReason.STOP, TerminalReason.ABORT)
 _ABORTED = 3  # index of TerminalReason.ABORT

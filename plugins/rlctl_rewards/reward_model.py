@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlctl import RewardResult, Trajectory
 from rlctl.contracts.errors import ConfigError, RoleError
-from rlctl.serve.client import server_urls
+from rlctl.kit import server_urls
 
 VERSION = "1.0"
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -143,7 +143,7 @@ class RewardModelReward:
 
     def _info_hash(self, url: str) -> Any:
         """The server's model_hash, or the CallError when it could not be reached; raises when it refuses."""
-        from rlctl.serve.client import CallError, call_json
+        from rlctl.kit import CallError, call_json
 
         last: CallError | None = None
         for attempt in range(1 + self.options.retries):
@@ -182,7 +182,7 @@ class RewardModelReward:
         return out
 
     def _score_chunk(self, trajectories: Sequence[Trajectory]) -> list[RewardResult]:
-        from rlctl.serve.client import CallError, call_json
+        from rlctl.kit import CallError, call_json
 
         started = time.perf_counter()
         n = len(trajectories)
@@ -237,7 +237,7 @@ class RewardModelReward:
 
 
 def _policy_tokenizer(path: str | None) -> Any:
-    from rlctl.models.tokenizer import build_char_tokenizer
+    from rlctl.kit import build_char_tokenizer
 
     if path is None:
         return build_char_tokenizer()

@@ -63,9 +63,9 @@ from typing import Any, Mapping, Sequence
 
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
-from rlctl.engine.faults import fault_site, report_recovery
-from rlctl.engine.transports.disk import DiskTransport
-from rlctl.engine.weight_sync import Broadcaster, PublishReport, SyncOptions, await_confirmation
+from rlctl.kit import (
+    Broadcaster, DiskTransport, PublishReport, SyncOptions, await_confirmation, fault_site, report_recovery,
+)
 from rlctl_sglang.client import ServerClient, ServerError
 from rlctl_sglang.options import SGLangOptions
 

@@ -1,7 +1,7 @@
 """A small HTTP client for one SGLang-API server (stdlib only, JSON in and out).
 
 What this is: the calls the sglang rollout backend makes, each bounded by a
-timeout (one ``rlctl.serve.client.call_json`` each), with errors that name the
+timeout (one ``rlctl.kit.call_json`` each), with errors that name the
 server: ``ServerError`` with ``status`` None when the server is unreachable
 (refused, reset, timed out) and the HTTP status otherwise. Proxies are
 bypassed: rollout servers are addressed directly.
@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
-from rlctl.engine.faults import fault_site
-from rlctl.serve.client import CallError, call_json
+from rlctl.kit import CallError, call_json, fault_site
 
 
 class ServerError(RoleError):

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
-from rlctl.serve.client import server_urls
+from rlctl.kit import server_urls
 
 
 class SGLangOptions(BaseModel):

@@ -65,7 +65,7 @@ class ChatRenderer:
     """Renders chat messages with one tokenizer's template; knows the hashes that version the result."""
 
     def __init__(self, options: RowOptions) -> None:
-        from rlctl.models.tokenizer import build_char_tokenizer, tokenizer_hash
+        from rlctl.kit import build_char_tokenizer, tokenizer_hash
 
         if options.tokenizer is None:
             self.tokenizer = build_char_tokenizer()

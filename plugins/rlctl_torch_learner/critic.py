@@ -21,10 +21,9 @@ from typing import Any, Mapping
 import torch
 
 from rlctl import CheckpointError, CriticContext
-from rlctl.algo.losses import explained_variance, value_loss
+from rlctl.kit.algo import explained_variance, value_loss
 from rlctl.contracts.batch import TrainBatch
-from rlctl.engine import state_codec
-from rlctl.models.load import load_policy
+from rlctl.kit import load_policy, state_codec
 
 
 class ValueModel(torch.nn.Module):

@@ -1,4 +1,8 @@
-"""Registers the plain-torch learner and critic as learner backend and critic backend ``torch``."""
+"""Registers the plain-torch learner and critic as learner backend and critic backend ``torch``.
+
+The learner itself is the kit's (rlctl.kit.TorchLearner, which sharded learners extend); the critic is this
+plugin's own (rlctl_torch_learner.critic).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from rlctl import hookimpl
 
 
 def _make(options, ctx):
-    from rlctl_torch_learner.learner import TorchLearner
+    from rlctl.kit import TorchLearner
 
     return TorchLearner(ctx, options)
 
@@ -24,6 +28,6 @@ def register_critic_backends(register) -> None:
 
 @hookimpl
 def register_learner_backends(register) -> None:
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearnerOptions
 
     register("torch", _make, options=TorchLearnerOptions)

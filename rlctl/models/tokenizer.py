@@ -18,6 +18,7 @@ CHARS = [chr(c) for c in range(32, 127)]
 
 
 def build_char_tokenizer() -> Any:
+    """A fresh character-level ``PreTrainedTokenizerFast``: one id per printable ASCII char, left padding."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -442,6 +442,7 @@ def _div(value: int, by: int) -> int:
 
 
 def fmt_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches, two decimals: '1.50 GiB', '512 B'."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"

@@ -3,9 +3,9 @@
 What this is: ``free_port`` (a rendezvous port on this host), ``init_group``
 (join the torch.distributed group of a sharded learner: gloo on CPU, NCCL for
 CUDA tensors with gloo beside it for CPU ones) and ``rank_device`` (the device
-string a rank builds its shard on). The rank groups themselves live with the
-learners that use them (rlctl_fsdp_learner.learner.LocalRanks: processes on
-this node; rlctl.placement.ray_ranks.RayRanks: Ray actors).
+string a rank builds its shard on). The rank groups themselves are
+rlctl.kit.ranks.LocalRanks (processes on this node, for the sharded learner
+plugins) and rlctl.placement.ray_ranks.RayRanks (Ray actors).
 
 What this is not: a launcher; nothing here starts a process.
 """

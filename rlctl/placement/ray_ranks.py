@@ -1,6 +1,6 @@
 """A sharded learner's ranks as Ray actors: ``train.learner`` fsdp2 / deepspeed with ``cluster.backend=ray``.
 
-What this is: ``RayRanks``, the Ray counterpart of rlctl_fsdp_learner's
+What this is: ``RayRanks``, the Ray counterpart of rlctl.kit's
 LocalRanks behind the same RankGroup learner (the Ray placement passes a
 launcher of it as the learner context's ``rank_launcher``). Every rank, rank 0
 included, is a RankActor in a placement group of ``world_size`` bundles

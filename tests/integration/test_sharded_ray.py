@@ -75,10 +75,9 @@ def _wait_restarted(ranks, rank: int, old: int) -> None:
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_rank_actors_match_the_torch_learner_and_a_killed_rank_is_restored_from_its_shards(
         ray_cluster, tiny_session, tmp_path, name):
-    from rlctl.placement.ray_actors import StoredWeights
     from rlctl.contracts.errors import LearnerLost
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
+    from rlctl.placement.ray_actors import StoredWeights
 
     session = tiny_session
     batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]

@@ -47,8 +47,7 @@ def zero3(session):
 
 
 def test_zero3_three_steps_equal_the_single_process_torch_learner(session, zero3, tmp_path):
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
     single = TorchLearner(_ctx(session), TorchLearnerOptions(share_prompt_prefill=False))

@@ -70,9 +70,9 @@ def test_session_passes_train_device_to_the_learner_and_roles_sit_on_it(session)
 
 @no_cuda
 def test_roles_asked_for_cuda_fail_before_loading_with_the_setting_named(session):
+    from rlctl.kit import TorchLearner
     from rlctl_local_engine.engine import LocalEngine
     from rlctl_local_engine.options import LocalEngineOptions
-    from rlctl_torch_learner.learner import TorchLearner
 
     with pytest.raises(ConfigError, match="train.device"):
         TorchLearner(_ctx(session, "cuda"))
@@ -83,9 +83,9 @@ def test_roles_asked_for_cuda_fail_before_loading_with_the_setting_named(session
 
 @pytest.mark.gpu
 def test_cuda_learner_and_engine_match_the_cpu_ones(session):
+    from rlctl.kit import TorchLearner
     from rlctl_local_engine.engine import LocalEngine
     from rlctl_local_engine.options import LocalEngineOptions
-    from rlctl_torch_learner.learner import TorchLearner
 
     batch = rollout_batch(session)[1]
     cpu, gpu = TorchLearner(_ctx(session, "cpu")), TorchLearner(_ctx(session, "cuda"))

@@ -18,10 +18,9 @@ def test_checkpointing_is_in_the_memory_terms():
 
 @pytest.mark.slow
 def test_checkpointed_fsdp2_steps_equal_the_torch_learner(tiny_session):
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
     from rlctl_fsdp_learner.learner import FsdpLearner
     from rlctl_fsdp_learner.options import FsdpLearnerOptions
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
 
     ctx = learner_context(tiny_session, micro_batch_size=5)
     batch = rollout_batch(tiny_session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]

@@ -53,8 +53,7 @@ def fsdp(session):
 
 @pytest.mark.slow
 def test_three_steps_equal_the_single_process_torch_learner(session, fsdp, tmp_path):
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     batch = rollout_batch(session, advantages=[(-1.0) ** i * (1 + i % 3) for i in range(16)])[1]
     single = TorchLearner(_ctx(session), TorchLearnerOptions(share_prompt_prefill=False))

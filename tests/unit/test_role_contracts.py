@@ -222,8 +222,7 @@ class ThirdParty:
 
     @hookimpl
     def register_learner_backends(self, register: Any) -> None:
-        from rlctl_torch_learner.learner import TorchLearner
-        from rlctl_torch_learner.options import TorchLearnerOptions
+        from rlctl.kit import TorchLearner, TorchLearnerOptions
 
         register("minimal", lambda options, ctx: MinimalLearner(ctx))
         register("recorded-torch", lambda options, ctx: recorder(TorchLearner(ctx, options), LEARNER_MEMBERS,

@@ -32,8 +32,7 @@ def batch(session):
 
 
 def learner(session, lr: float = 1e-3, dtype: str = "float32", **algo):
-    from rlctl_torch_learner.learner import TorchLearner
-    from rlctl_torch_learner.options import TorchLearnerOptions
+    from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     cfg = session.config
     kl = algo.pop("kl", None)

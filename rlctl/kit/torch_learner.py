@@ -1,8 +1,12 @@
 """The plain-torch learner: one process, AdamW, PPO-clip with GRPO advantages.
 
-What this is: the LearnerBackend for CPU and single-device runs. It owns the
-trainable policy, an optional frozen reference (when the KL coefficient is
-> 0), the optimizer and LR schedule. One ``train_step`` = the configured PPO
+What this is: the LearnerBackend for CPU and single-device runs (registered as
+learner backend ``torch`` by the rlctl_torch_learner plugin), and the base a
+sharded learner's rank extends (the fsdp2 and deepspeed plugins override
+``_forward``, ``_backward``, ``_mini_batch_step``, ``_clip_grad_norm`` or
+``_trained`` and set ``shrink_on_oom = False``). It owns the trainable
+policy, an optional frozen reference (when the KL coefficient is > 0), the
+optimizer and LR schedule. One ``train_step`` = the configured PPO
 epochs x mini-batches over one rollout batch, with gradient accumulation over
 micro-batches, gradient clipping, and a skipped update on NaN/Inf gradients
 (no parameter or optimizer-state change; the skip counter goes up and the
@@ -23,8 +27,9 @@ them back and refuses a checkpoint whose parameter names or shapes differ.
 There is no grad scaler: CPU training runs in fp32 or bf16 without loss
 scaling (``grad_scaler`` is None).
 
-What this is not: sharded training (FSDP / DeepSpeed learners are separate
-plugins) or advantage estimation (the engine passes advantages in the batch).
+What this is not: sharded training (the FSDP2 / DeepSpeed learner plugins
+wrap ranks of it in a rlctl.kit.ranks.RankGroup) or advantage estimation (the
+engine passes advantages in the batch).
 """
 
 from __future__ import annotations
@@ -37,20 +42,28 @@ from typing import Any, Mapping
 import torch
 
 from rlctl import CheckpointError, PolicyLoss, RoleError, WeightUpdate
-from rlctl.algo.losses import entropy_from_logits, gspo_loss, kl_penalty_loss, ppo_clip_loss, truncated_is_weights
-from rlctl.algo.sampling import process_logits, token_logprobs
+from rlctl.algo import (
+    entropy_from_logits, gspo_loss, kl_penalty_loss, ppo_clip_loss, process_logits, token_logprobs,
+    truncated_is_weights,
+)
 from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
+from rlctl.kit.oom import classify_oom
+from rlctl.kit.prefill import prefix_shared_logprobs
+from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
-from rlctl_torch_learner.options import TorchLearnerOptions
 
 
 class TorchLearner:
-    """LearnerBackend over an in-process torch model."""
+    """LearnerBackend over an in-process torch model: ``TorchLearner(ctx, TorchLearnerOptions())``.
+
+    Subclasses (a sharded learner's rank) may override the hooks named in the
+    module docstring; the update maths stays this class's.
+    """
 
     _capture: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None  # set inside train_step_with_logprobs
 
@@ -112,7 +125,7 @@ class TorchLearner:
         batch = batch.to(self.device)
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.options.share_prompt_prefill:
-                shared = _prefix_shared_logprobs(model, batch, with_entropy)
+                shared = prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:
                     return shared
             return self._logprobs(model, batch, with_entropy)
@@ -256,8 +269,6 @@ class TorchLearner:
         return True
 
     def _recover_oom(self, err: BaseException, mini: TrainBatch) -> None:
-        from rlctl_torch_learner.memory import classify_oom
-
         old = self.micro_batch_size
         kind, breakdown = classify_oom(self.model, self.optimizer, min(old, mini.num_sequences),
                                        int(mini.input_ids.shape[1]))
@@ -432,59 +443,3 @@ def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _with_ref(batch: TrainBatch, ref: torch.Tensor | None) -> TrainBatch:
     return replace(batch, ref_logprobs=ref)
 
-
-def _prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
-    """Like ``TorchLearner._logprobs`` but each distinct prompt runs through the model once.
-
-    The G responses of a prompt share its KV cache (gradients flow back through
-    it into the one prompt forward), so a GRPO micro-batch costs about one
-    prompt forward per group instead of G. Returns None when nothing is shared
-    (or a row has no response), and the caller takes the plain path.
-    """
-    ids, mask, act = batch.input_ids, batch.attention_mask, batch.action_mask  # [n, T]
-    n, width = ids.shape
-    if bool((act.sum(-1) == 0).any()):
-        return None
-    starts = (act > 0).to(torch.int8).argmax(-1)  # [n] prompt length = first trained position
-    ends = mask.sum(-1)  # [n]
-    keys = [tuple(ids[i, : int(starts[i])].tolist()) for i in range(n)]
-    index: dict[tuple[int, ...], int] = {}
-    rows = torch.tensor([index.setdefault(k, len(index)) for k in keys])  # [n] -> unique prompt
-    if len(index) == n:
-        return None
-    prompts = list(index)
-    plen = max(len(p) for p in prompts)
-    p_ids = torch.zeros((len(prompts), plen), dtype=torch.long)
-    p_mask = torch.zeros((len(prompts), plen), dtype=torch.long)
-    for u, p in enumerate(prompts):
-        p_ids[u, plen - len(p):] = torch.tensor(p)
-        p_mask[u, plen - len(p):] = 1
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [u, Lp]
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1][rows]  # [n, V]: predicts each row's first response token
-    cache = out.cache
-    cache.batch_select_indices(rows)
-    rlen = ends - starts  # [n]
-    width_r = int(rlen.max())
-    offsets = torch.arange(width_r)  # [R]
-    valid = offsets[None, :] < rlen[:, None]  # [n, R]
-    gather_at = (starts[:, None] + offsets[None, :]).clamp(max=width - 1)  # [n, R]
-    resp = torch.where(valid, ids.gather(1, gather_at), 0)  # [n, R]
-    logits = first[:, None]  # [n, 1, V]
-    if width_r > 1:
-        full_mask = torch.cat([p_mask[rows], valid[:, :-1].long()], dim=1)  # [n, Lp + R - 1]
-        positions = p_pos[rows, -1:] + 1 + offsets[None, : width_r - 1]  # [n, R-1]
-        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, cache=cache,
-                     use_cache=True).logits  # [n, R-1, V]
-        logits = torch.cat([logits, more], dim=1)  # [n, R, V]
-    s = batch.sampling
-    lp = torch.where(valid, token_logprobs(logits, resp, s.temperature, s.top_k, s.top_p), 0.0)  # [n, R]
-    place = starts[:, None] + offsets[None, :]  # [n, R], distinct per row, < T + R
-    logp = torch.zeros((n, width + width_r), dtype=lp.dtype).scatter(1, place, lp)[:, :width]  # [n, T]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            shaped = logits if s.greedy else process_logits(logits.detach(), s.temperature, s.top_k, s.top_p)
-            ent = torch.where(valid, entropy_from_logits(shaped), 0.0)  # [n, R]
-            entropy = torch.zeros((n, width + width_r), dtype=ent.dtype).scatter(1, place, ent)[:, :width]
-    return logp, entropy

@@ -1,4 +1,12 @@
-"""Options of the rlctl_torch_learner plugin (imported at startup, so it must stay light: no torch)."""
+"""Options of the one-process torch learner (imported at startup, so it must stay light: no torch).
+
+What this is: ``TorchLearnerOptions``, the ``train.learner_options`` of learner
+backend ``torch``, and what a sharded learner builds for each rank's
+TorchLearner (fp32 weights, prefill sharing off).
+
+What this is not: the learner (rlctl.kit.torch_learner) or a sharded
+learner's options (those come with its plugin).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,11 @@ from rlctl.contracts.types import LearnerMemory
 
 
 class TorchLearnerOptions(BaseModel):
+    """``train.learner_options`` of the torch learner: compute dtype, activation recomputation, prefill sharing.
+
+    Example: ``TorchLearnerOptions(dtype="bfloat16", gradient_checkpointing=True)``.
+    """
+
     model_config = ConfigDict(extra="forbid")
 
     dtype: Literal["float32", "bfloat16"] = Field(
