@@ -24,7 +24,7 @@ step 0 includes thread / actor start-up) and its ratio to sync (> 1 = faster), t
 T_l (train) and T_s (weight export and publish) per step from the run's own timers, the median run wall time of
 the loop, trained and effective response tokens per second of step time, hidden pass@1 (greedy,
 ``--hidden`` prompts, first repeat) with the paired-bootstrap 95% CI of the difference to sync, measured
-mean Δv, and the staleness simulator's predictions (rlctl.ops.staleness, fed with the sync run's own
+mean Δv, and the staleness simulator's predictions (rlctl.planning.staleness, fed with the sync run's own
 T_r / T_l / T_s, processor sharing over the placement's cores): speedup over sync and mean Δv, with how far
 the Δv prediction misses. Ratios are to the sync row of the same workload and shape,
 measured in the same invocation.
@@ -148,8 +148,8 @@ def pin_sides(session: Any) -> None:
 
 def run_mode(args: argparse.Namespace, workload: str, shape: str, name: str, plugins: Any, home: Path,
              task: Any, grade: bool) -> dict:
-    from rlctl.engine.eval import grade_policy
-    from rlctl.engine.loop import drive
+    from rlctl.lifecycle.grading import grade_policy
+    from rlctl.engine.drive import drive
     from rlctl.engine.spec import LoopSpec
     from rlctl.placement import place
 
@@ -200,8 +200,8 @@ def summarize(runs: list[dict], prompts: int, group: int) -> dict:
 
 
 def print_table(args: argparse.Namespace, workload: str, shape: str, results: list[dict]) -> None:
-    from rlctl.engine.eval import paired_bootstrap
-    from rlctl.ops.staleness import contention_cores, predict_for_run
+    from rlctl.lifecycle.grading import paired_bootstrap
+    from rlctl.planning.staleness import contention_cores, predict_for_run
 
     sync = next(r for r in results if r["name"] == "sync")
     smoke = {k: statistics.median(m[k] for m in sync["rows"][1:] or sync["rows"])
@@ -236,7 +236,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     cores = contention_cores(results[-1]["config"])
     print(f"(x sync = sync s/step / mode s/step: > 1 is faster. T_l / T_s: median learner-side seconds per step "
           f"from the run's own timers (batch building, advantages, the update and, overlapped, D_lag / exporting and "
-          f"publishing the weights). The simulator (rlctl.ops.staleness) used sync's "
+          f"publishing the weights). The simulator (rlctl.planning.staleness) used sync's "
           f"median T_r {smoke['T_r']:.3f}s, T_l {smoke['T_l']:.3f}s, T_s {smoke['T_s']:.3f}s and {cores:g} shared "
           f"core(s) for this placement; pred miss = predicted - measured mean dv; with partial rollout a step "
           f"trains fewer groups, so compare trained tok/s)")

@@ -11,10 +11,10 @@ parameter is a DTensor over a 1-rank mesh), the local engine on the same device 
 with fp32 master shards on CUDA (``--dtype``), no checkpoints or eval.
 
 Memory per role: the roles' verbs run inside meter phases, exactly as the dry run's smoke step does
-(rlctl.ops.dryrun): ``rollout`` = the engine's generate, ``train`` = the learner's train_step (+ reference
+(rlctl.planning.dryrun): ``rollout`` = the engine's generate, ``train`` = the learner's train_step (+ reference
 log-probs), ``sync`` = weight export and apply. On CUDA the meter is ``torch.cuda.max_memory_allocated``
 (peak reset at each phase's start, so a phase's number includes what the other roles keep resident); on CPU
-it counts live tensor bytes. The ledger is rlctl.ops.memory's, for this config and the response lengths the
+it counts live tensor bytes. The ledger is rlctl.planning.memory's, for this config and the response lengths the
 steps really produced; ratio = ledger / measured (1.0 = exact, > 1 = the ledger over-predicts).
 Step time: median of the steps after the first (the first one compiles kernels and fills allocator pools).
 """
@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlctl.engine.spec import LoopSpec
     from rlctl.placement import place
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops import dryrun as d
-    from rlctl.ops.memory import Placement, ledger
+    from rlctl.planning import dryrun as d
+    from rlctl.planning.memory import Placement, ledger
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch.cuda.is_available() is False; use --device cpu")
@@ -132,7 +132,7 @@ def _device_name(device: str) -> str:
 
 
 def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    from rlctl.ops.memory import fmt_bytes
+    from rlctl.planning.memory import fmt_bytes
 
     times = out["times"]
     steady = times[1:] or times

@@ -69,7 +69,7 @@ def tiny_model(tmp: Path) -> tuple[Any, Any, Any, list[list[int]]]:
     from rlctl.hooks.manager import load_plugins
     from rlctl.models.load import build_tiny, load_policy
     from rlctl.models.tokenizer import build_char_tokenizer
-    from rlctl.ops.shapes import builtin_shape
+    from rlctl.planning.shapes import builtin_shape
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [])
     tok = build_char_tokenizer()

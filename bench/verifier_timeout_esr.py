@@ -45,7 +45,7 @@ def run(tmp: Path, name: str, seed: int, steps: int, prompts: int, extra: list[s
     from rlctl.cli._options import rlctl_home
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     cfg = load_config(None, [*TINY, f"run.seed={seed}", f"train.steps={steps}", f"algo.prompts_per_step={prompts}",

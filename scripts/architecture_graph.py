@@ -41,19 +41,20 @@ from typing import Iterable, Iterator, Sequence
 REPO = Path(__file__).resolve().parents[1]
 
 # The floors, lowest first. A package may import any package on a lower tier; packages on one tier are
-# peers and must not import each other (to allow it, give them tiers of their own). Old and new names of
-# a package being renamed may share a tier. ``kit`` is the public plugin kit: on top, so no core package
+# peers and must not import each other (to allow it, give them tiers of their own). ``kit`` is the public plugin kit: on top, so no core package
 # may import it; plugins import it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("contracts",),
     ("config",),
     ("hooks",),
     ("rlctl",),  # rlctl/__init__.py: the public API (hookimpl, contract types, errors)
-    ("algo",),
+    ("algo", "storage"),
     ("models",),
     ("engine", "registry"),
-    ("placement", "dist"),
-    ("lifecycle", "planning", "incidents", "ops"),
+    ("placement",),
+    ("incidents",),
+    ("lifecycle",),
+    ("planning",),
     ("serve",),
     ("cli",),
     ("kit",),

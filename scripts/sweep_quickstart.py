@@ -1,7 +1,7 @@
 """Sweep the quickstart's GRPO settings on the DEV split and print one table row per setting.
 
 Each row is ``rlctl train configs/quickstart.yaml eval.split=dev <overrides> --seeds N``
-run through the same library call (rlctl.ops.seeds.train_seeds), from the one
+run through the same library call (rlctl.lifecycle.seeds.train_seeds), from the one
 cached warm start the quickstart config builds: dev greedy pass@1 of the warm
 start, after RL, the gain with its paired bootstrap 95% CI per seed, and the
 pooled CI when N > 1. The hidden split is never touched here; it is for the
@@ -129,7 +129,7 @@ def main() -> int:
     from rlctl.cli._options import rlctl_home
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.seeds import train_seeds
+    from rlctl.lifecycle.seeds import train_seeds
     from rlctl.registry.store import Registry
 
     grid = GRIDS[args.grid]

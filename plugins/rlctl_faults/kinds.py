@@ -41,7 +41,7 @@ handler produces the real failure, never a log line that pretends one:
   version's first shard is flipped before the servers load it (``stage:
   apply``, at ``weights.published``), so the server's own checksum refuses it.
 
-What this is not: recovery (the roles and rlctl.ops.recovery do that).
+What this is not: recovery (the roles and rlctl.incidents.recovery do that).
 """
 
 from __future__ import annotations

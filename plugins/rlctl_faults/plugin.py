@@ -3,7 +3,7 @@
 What this is: registers each fault kind with its options model, exactly as a
 third-party plugin would (``register_faults``).
 
-What this is not: the recovery policies (rlctl.ops.recovery and the roles
+What this is not: the recovery policies (rlctl.incidents.recovery and the roles
 themselves) or the fault sites (rlctl.engine.faults).
 """
 

@@ -1,6 +1,6 @@
 """Live progress for training: a rich progress bar on a terminal, plain full lines elsewhere.
 
-What this is: callbacks for rlctl.ops.train / resume that render the warm
+What this is: callbacks for rlctl.lifecycle.train / resume that render the warm
 start and the RL steps (step, reward mean, kl_ref, entropy, response length,
 clip fraction, tokens/s, elapsed, ETA). On a terminal that is a rich progress
 bar. Without one (output piped to a file, a cluster job log) a redrawn bar
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlctl.contracts.types import RunRecord
-from rlctl.ops.train import TrainCallbacks
+from rlctl.lifecycle.train import TrainCallbacks
 
 SHOWN = (("reward", "reward_mean"), ("kl_ref", "kl_ref"), ("entropy", "entropy"),
          ("len", "response_length_mean"), ("clip", "clip_fraction"), ("tok/s", "generated_tokens_per_s"))

@@ -27,7 +27,7 @@ def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/qu
     from rlctl.config.load import load_config
     from rlctl.contracts.errors import ConfigError
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops import ablate as ops
+    from rlctl.lifecycle import ablate as ops
 
     if old_set:  # the one override syntax of every command that takes a config: positional, after CONFIG
         raise ConfigError("rlctl ablate takes overrides after the config, not as --set",
@@ -79,8 +79,8 @@ class _Display:
         self.progress.stop()
 
     def callbacks(self):
-        from rlctl.ops.ablate import AblateCallbacks
-        from rlctl.ops.train import TrainCallbacks
+        from rlctl.lifecycle.ablate import AblateCallbacks
+        from rlctl.lifecycle.train import TrainCallbacks
 
         return AblateCallbacks(run_start=self.run_start, run_end=self.run_end, skipped=self.skipped,
                                note=self.progress.console.print,

@@ -27,7 +27,7 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint directory (R
                                    "tokenizer)."),
            registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Export a checkpoint's policy as a plain Hugging Face model directory (checksums verified first)."""
-    from rlctl.ops.checkpoints import export as run_export
+    from rlctl.lifecycle.resume import export as run_export
 
     source, target, skipped = run_export(checkpoint, hf, lambda: open_registry(registry))
     for message in skipped:

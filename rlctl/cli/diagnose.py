@@ -1,4 +1,4 @@
-"""``rlctl diagnose RUN`` and ``rlctl runbook list|show|check``: thin renderers over rlctl.ops.diagnose / runbooks."""
+"""``rlctl diagnose RUN`` and ``rlctl runbook list|show|check``: thin renderers over rlctl.incidents.diagnose / runbooks."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
              png_dir: Optional[Path] = typer.Option(None, "--png-dir", help="Write one PNG per finding here."),
              registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Walk the diagnosis tree over a run's recorded metrics and events; findings ranked by severity."""
-    from rlctl.ops.diagnose import diagnose as run_diagnosis, render_html, render_pngs
-    from rlctl.ops.runbooks import load_runbooks
-    from rlctl.ops.triggers import history_from
+    from rlctl.incidents.diagnose import diagnose as run_diagnosis, render_html, render_pngs
+    from rlctl.incidents.runbooks import load_runbooks
+    from rlctl.incidents.triggers import history_from
 
     with open_registry(registry) as reg:
         rec = reg.get_run(run)
@@ -54,7 +54,7 @@ def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
 @runbook_app.command("list")
 def list_runbooks(json_out: bool = JsonOpt) -> None:
     """List runbooks in diagnosis-tree order."""
-    from rlctl.ops.runbooks import load_runbooks
+    from rlctl.incidents.runbooks import load_runbooks
 
     books = load_runbooks()
     if json_out:
@@ -69,7 +69,7 @@ def list_runbooks(json_out: bool = JsonOpt) -> None:
 def show_runbook(name: str = typer.Argument(..., help="Runbook name (see `rlctl runbook list`)."),
                  json_out: bool = JsonOpt) -> None:
     """Print a runbook: triggers, checks, actions and its text."""
-    from rlctl.ops.runbooks import find_runbook, load_runbooks
+    from rlctl.incidents.runbooks import find_runbook, load_runbooks
 
     book = find_runbook(name, load_runbooks())
     if json_out:
@@ -92,8 +92,8 @@ def check_runbook(name: str = typer.Argument(..., help="Runbook name."),
 
     Exit 0 = clear, 3 = a trigger fired or a check failed (1 stays "could not check").
     """
-    from rlctl.ops.runbooks import check_runbook as check, find_runbook, load_runbooks
-    from rlctl.ops.triggers import history_from
+    from rlctl.incidents.runbooks import check_runbook as check, find_runbook, load_runbooks
+    from rlctl.incidents.triggers import history_from
 
     book = find_runbook(name, load_runbooks())
     with open_registry(registry) as reg:

@@ -27,7 +27,7 @@ def dryrun(config: Optional[Path] = typer.Argument(None, help="YAML config (not 
            plan: bool = typer.Option(False, "--plan", help="Capacity plan for the 7B / 8-GPU recipe (estimates)."),
            json_out: bool = JsonOpt) -> None:
     """Validate a config, ledger its memory per role and device, and check the ledger with a smoke step."""
-    from rlctl.ops.memory import GiB, parse_bytes
+    from rlctl.planning.memory import GiB, parse_bytes
 
     capacity = _bytes_option(gpu_mem) if gpu_mem else (80 * GiB if (gpus or plan) else None)
     if plan:
@@ -36,8 +36,8 @@ def dryrun(config: Optional[Path] = typer.Argument(None, help="YAML config (not 
         raise typer.BadParameter("missing CONFIG (a YAML file), or pass --plan", param_hint="CONFIG")
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.dryrun import DryrunOptions
-    from rlctl.ops.dryrun import dryrun as run_dryrun
+    from rlctl.planning.dryrun import DryrunOptions
+    from rlctl.planning.dryrun import dryrun as run_dryrun
 
     options = DryrunOptions(devices=gpus or 1, device_memory_bytes=capacity, shape=shape, zero_stage=zero_stage,
                             placements=tuple(p.strip() for p in placement.split(",") if p.strip()),
@@ -51,7 +51,7 @@ def dryrun(config: Optional[Path] = typer.Argument(None, help="YAML config (not 
 
 def _bytes_option(text: str) -> int:
     from rlctl.contracts.errors import ConfigError
-    from rlctl.ops.memory import parse_bytes
+    from rlctl.planning.memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -89,7 +89,7 @@ def report_json(report: Any) -> dict[str, Any]:
 
 
 def render(report: Any) -> None:
-    from rlctl.ops.memory import fmt_bytes
+    from rlctl.planning.memory import fmt_bytes
 
     con = _output.console
     con.print(_output.table("checks", ["check", "ok", "detail"],
@@ -150,10 +150,10 @@ def _render_smoke(smoke: Any, fmt_bytes: Any) -> None:
 
 
 def _render_plan(capacity: int, json_out: bool) -> None:
-    from rlctl.ops.plan import Hardware, Recipe, plan
+    from rlctl.planning.plan import Hardware, Recipe, plan
 
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.dryrun import sharding_learners
+    from rlctl.planning.dryrun import sharding_learners
 
     rows, hw, recipe = plan(capacity), Hardware(), Recipe()
     learners = sharding_learners(load_plugins(), 3)
@@ -173,7 +173,7 @@ def _render_plan(capacity: int, json_out: bool) -> None:
                                                 "gen tok/s (est)"], table))
     _output.console.print(f"assumptions: {hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, HBM {hw.hbm_bytes_per_s / 1e12:.2f}"
                           f" TB/s, train MFU {hw.train_mfu:.0%}, decode at {hw.decode_bw_eff:.0%} of HBM bandwidth, "
-                          f"responses at max length, reward time not modelled; see rlctl/ops/plan.py")
+                          f"responses at max length, reward time not modelled; see rlctl/planning/plan.py")
     _output.console.print("learner assumed: ZeRO-3 / FSDP full shard; installed learner(s) that shard so: "
                           + (", ".join(learners) if learners else "NONE (no installed learner plugin shards at "
                              "ZeRO-3: this plan cannot run here as is)"))

@@ -21,7 +21,7 @@ def eval_cmd(runs: Optional[List[str]] = typer.Argument(None, help="Run id(s) (o
     """Greedy pass@1 with fixed decoding, paired bootstrap 95% CI of final - start (pooled over several runs)."""
     from rlctl.contracts.errors import ConfigError
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.evaluate import evaluate_run
+    from rlctl.lifecycle.evaluate import evaluate_run
 
     if split not in (None, "dev", "hidden"):
         raise ConfigError(f"--split must be dev or hidden, got {split!r}", "use --split hidden")

@@ -1,4 +1,4 @@
-"""``rlctl inject --fault KIND`` and ``rlctl drill``: thin renderers over rlctl.ops.inject / drill."""
+"""``rlctl inject --fault KIND`` and ``rlctl drill``: thin renderers over rlctl.incidents.inject / drill."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from rlctl.cli import _output
-from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry
+from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
 
 
 def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, "
@@ -29,7 +29,7 @@ def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom,
     """Inject a real fault into a new, stopped or running run and watch the recovery (events in `rlctl runs show`)."""
     from rlctl.cli.train import run_resume, train as train_cmd
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.inject import fault_override, inject_running, is_running, make_spec
+    from rlctl.incidents.inject import fault_override, inject_running, is_running, make_spec
 
     spec = make_spec(fault, at_step=at_step, count=count, rate=rate, target=target, options=option or [],
                      plugins=load_plugins())
@@ -62,12 +62,12 @@ def drill(config: Optional[Path] = typer.Argument(None, help="Config to drill (d
     """Inject each fault into a tiny real run and check its recovery: a pass/fail table (stored in the registry)."""
     import time
 
-    from rlctl.ops.drill import run_drills
+    from rlctl.incidents.drill import run_drills
     from rlctl.registry.db import default_url
 
     started = time.perf_counter()
     url = registry or default_url()
-    results = run_drills(config, overrides or [], url, only=only or [],
+    results = run_drills(config, overrides or [], url, home=rlctl_home(), only=only or [],
                          say=lambda m: _output.err_console.print(m, markup=False, highlight=False))
     wall = time.perf_counter() - started
     if json_out:

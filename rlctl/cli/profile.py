@@ -19,7 +19,7 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
                                                "(default: the run directory)."),
             registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Where a step's time goes: T_r, T_v, T_l, T_s against measured wall time; split placement as an estimate."""
-    from rlctl.ops.profile import PROFILE_DEFAULTS, profile_config, profile_run
+    from rlctl.planning.profile import PROFILE_DEFAULTS, profile_config, profile_run
 
     placements = [p.strip() for p in (compare or "").split(",") if p.strip()]
     with open_registry(registry) as reg:

@@ -21,7 +21,7 @@ def _when(ts: float) -> str:
 def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[str] = typer.Option(None, "--status"),
               registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """List runs, newest first (runs whose process died are marked interrupted/failed first)."""
-    from rlctl.ops.reconcile import reconcile_stale_runs
+    from rlctl.lifecycle.reconcile import reconcile_stale_runs
 
     with open_registry(registry) as reg:
         reconcile_stale_runs(reg)
@@ -40,7 +40,7 @@ def list_runs(limit: int = typer.Option(50, "--limit", min=1), status: Optional[
 def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Show one run: provenance, config, last metrics, evals, checkpoints and events."""
-    from rlctl.ops.reconcile import reconcile_stale_runs
+    from rlctl.lifecycle.reconcile import reconcile_stale_runs
 
     with open_registry(registry) as reg:
         reconcile_stale_runs(reg)

@@ -12,7 +12,7 @@ from rlctl.cli._options import open_registry, rlctl_home
 def run_seeds(cfg: Any, num_seeds: int, plugins: Any, run_dir: Optional[Path], registry: Optional[str],
               json_out: bool) -> None:
     from rlctl.cli._display import TrainDisplay
-    from rlctl.ops.seeds import train_seeds
+    from rlctl.lifecycle.seeds import train_seeds
 
     with open_registry(registry) as reg, TrainDisplay(cfg.train.steps, _output.err_console) as display:
         callbacks = display.callbacks()
@@ -54,7 +54,7 @@ def eval_group(runs: list[str], group: Optional[str], split: Optional[str], num_
                registry: Optional[str], json_out: bool) -> None:
     from rlctl.contracts.errors import RegistryError
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.evaluate import evaluate_runs
+    from rlctl.lifecycle.evaluate import evaluate_runs
 
     with open_registry(registry) as reg:
         ids = list(runs)

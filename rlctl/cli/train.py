@@ -44,7 +44,7 @@ def train(config: Optional[Path] = typer.Argument(None, help="YAML config, e.g. 
         raise typer.BadParameter("missing CONFIG (a YAML file), or pass --resume RUN", param_hint="CONFIG")
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import train as run_train
+    from rlctl.lifecycle.train import train as run_train
 
     cfg = load_config(config, overrides or [])
     if supervise:
@@ -65,7 +65,7 @@ def run_resume(run: str, config: Optional[Path], overrides: List[str], allow_con
                registry: Optional[str], json_out: bool) -> None:
     """``rlctl resume`` / ``rlctl train --resume``: continue a run from its newest committed checkpoint."""
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.checkpoints import resume
+    from rlctl.lifecycle.resume import resume
 
     plugins = load_plugins()
     run_and_render(0, registry, json_out, lambda reg, cb: resume(
@@ -121,7 +121,7 @@ def _supervised(config: Path, overrides: List[str], max_restarts: int, run_dir: 
     """``train --supervise``: the child trains; a crash is resumed from the newest committed checkpoint."""
     import time
 
-    from rlctl.ops.supervise import supervise
+    from rlctl.lifecycle.supervise import supervise
 
     directory = run_dir or rlctl_home() / "runs" / f"supervised-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6}"
     env = {"RLCTL_REGISTRY_URL": registry} if registry else {}

@@ -92,6 +92,4 @@ __all__ = [
     "RoleError",
     "RolloutUnavailable",
     "RunbookError",
-    "WorkerLost",
-    "LearnerLost",
-]
+]  # WorkerLost and LearnerLost are signals between the placement and the loops, never shown to users

@@ -74,7 +74,7 @@ from rlctl.contracts.types import (
     ShadowBatch,
 )
 from rlctl.engine import state_codec
-from rlctl.engine.durable import fsync_path, write_dir_durably
+from rlctl.storage.durable import fsync_path, write_dir_durably
 from rlctl.engine.faults import crash_point, fault_site
 
 COMMITTED = "COMMITTED"

@@ -3,7 +3,7 @@
 Fault sites. ``fault_site(site, value, **info)`` is called at the real place
 where a failure happens (the learner's allocation before a micro-batch
 forward, its loss, a grader call, a rollout call...). It does nothing unless a
-fault is armed there (``arm``, done by rlctl.ops.faults from a run's
+fault is armed there (``arm``, done by rlctl.incidents.recovery from a run's
 ``faults:`` config or ``rlctl inject``); an armed handler may raise the real
 exception (``torch.OutOfMemoryError``, ``TimeoutError``), kill the process, or
 return a replacement for ``value`` (a poisoned loss). Sites: ``learner.alloc``,

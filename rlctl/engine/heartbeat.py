@@ -28,7 +28,7 @@ Phases (``name``, with the ``role`` the caller waits on):
 Between phases the loop does its own work (advantages, logging, step-end
 observers); a watcher calls that ``loop`` (role driver).
 
-What this is not: the watchdog that acts on the beats (rlctl.ops.recovery),
+What this is not: the watchdog that acts on the beats (rlctl.incidents.recovery),
 or a profiler (phase timings are metrics, rlctl.engine.metrics).
 """
 

@@ -1,28 +1,26 @@
 """The RL loop: sample -> score -> select -> train_on (advantages, update, publish) -> log -> checkpoint.
 
-What this is: ``drive``, which runs a run's steps with the driver its
-placement calls for, and ``run_sync``, the synchronous loop you can read top
-to bottom: it generates a step's groups with the run's one rollout engine,
-then hands them to the training step (rlctl.engine.step.train_on), which
-every mode shares. The overlapped driver (rlctl.engine.overlap) differs only
-in how groups arrive: rollout workers feed a queue while the learner trains.
+What this is: ``run_sync``, the synchronous loop you can read top to bottom:
+it generates a step's groups with the run's one rollout engine, then hands
+them to the training step (rlctl.engine.step.train_on), which every mode
+shares. The overlapped driver (rlctl.engine.overlap) differs only in how
+groups arrive: rollout workers feed a queue while the learner trains.
 ``StepEnd`` is what both do after a step (sinks, checkpoint, observer, the
-generated-token budget).
+generated-token budget); rlctl.engine.drive picks the driver.
 
 What this is not: building roles (rlctl.placement), run bookkeeping
-(rlctl.ops.run) or display (the CLI passes an observer). It never imports
+(rlctl.lifecycle.run) or display (the CLI passes an observer). It never imports
 ray, rich or the registry.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.roles import MetricSink
 from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
-from rlctl.engine.roles import START, ResumePoint, Roles
+from rlctl.engine.roles import Roles
 from rlctl.engine.spec import LoopSpec
 from rlctl.engine.step import StepInput, train_on
 
@@ -70,28 +68,6 @@ class StepEnd:
     def observe(self, step: int, metrics: Mapping[str, float]) -> None:
         if self.observer is not None:
             self.observer(step, metrics)
-
-
-def drive(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], *, observer: Observer | None = None,
-          resume: ResumePoint = START, checkpoint: Checkpointer | None = None, heartbeat: Heartbeat = NO_HEARTBEAT,
-          directory: Path | None = None, recover: Callable[[], ResumePoint] | None = None,
-          store: object = None) -> dict[str, float]:
-    """Run ``roles`` from ``resume`` to ``spec.steps``: the plain loop, or the overlapped driver when the
-    placement gave the roles a fleet of rollout workers (``directory`` holds its queue; ``recover`` restores a
-    lost learner in-run); return the last step's metrics."""
-    from rlctl.engine.producers import RolloutFleet
-
-    if isinstance(roles.rollout, RolloutFleet):
-        from rlctl.engine.overlap import run_overlapped
-
-        if directory is None:
-            raise ValueError("the overlapped driver needs a directory for its trajectory queue")
-        return run_overlapped(roles, spec, directory / "queue", sinks, observer=observer, resume=resume,
-                              checkpoint=checkpoint, heartbeat=heartbeat, recover=recover, store=store)
-    if spec.mode != "sync":
-        raise ValueError(f"mode={spec.mode} needs a placement with rollout workers (rlctl.placement)")
-    return run_sync(roles, spec, sinks, observer=observer, start_step=resume.step, checkpoint=checkpoint,
-                    heartbeat=heartbeat)
 
 
 def run_sync(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,

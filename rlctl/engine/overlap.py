@@ -29,7 +29,7 @@ committed history. The learner's wait for a batch is the heartbeat phase
 ``generate`` (role rollout, waiting for threads).
 
 What this is not: the rollout side (rlctl.engine.producers), placement
-(rlctl.placement) or run bookkeeping (rlctl.ops).
+(rlctl.placement) or run bookkeeping (rlctl.lifecycle).
 """
 
 from __future__ import annotations

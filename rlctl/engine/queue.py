@@ -70,7 +70,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from rlctl.contracts.errors import RlctlError
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
-from rlctl.engine.durable import fsync_path
+from rlctl.storage.durable import fsync_path
 
 MAGIC = b"RLQ1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, crc32

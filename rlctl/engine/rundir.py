@@ -14,7 +14,7 @@ gone. Model directories are written through ``write_dir_durably`` (temporary
 sibling, fsync, rename), so a reader never sees half of one.
 
 What this is not: the checkpoint format or commit protocol
-(rlctl.engine.checkpoint) or run bookkeeping in the registry (rlctl.ops.run).
+(rlctl.engine.checkpoint) or run bookkeeping in the registry (rlctl.lifecycle.run).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import IO, Callable, Mapping
 
 from rlctl.contracts.errors import CheckpointError
 from rlctl.contracts.types import CheckpointManifest
-from rlctl.engine.durable import write_dir_durably
+from rlctl.storage.durable import write_dir_durably
 
 
 class RunLock:

@@ -15,7 +15,7 @@ generates anything, and the process RNG states come last so nothing above
 consumes them.
 
 What this is not: the file format and commit protocol (rlctl.engine.checkpoint)
-or run bookkeeping such as registry rows and resume events (rlctl.ops).
+or run bookkeeping such as registry rows and resume events (rlctl.lifecycle).
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "rlctl.engine.transports.disk": ("DiskTransport",),
     },
     "memory arithmetic": {
-        "rlctl.ops.shapes": ("ModelShape", "from_hf_config"),
-        "rlctl.ops.memory": ("kv_cache_bytes", "kv_budget_rows", "fmt_bytes", "parse_bytes"),
+        "rlctl.planning.shapes": ("ModelShape", "from_hf_config"),
+        "rlctl.planning.memory": ("kv_cache_bytes", "kv_budget_rows", "fmt_bytes", "parse_bytes"),
     },
     "HTTP clients of servers": {
         "rlctl.serve.client": ("call_json", "CallError", "server_urls"),

@@ -8,7 +8,7 @@ allocated), and names the largest part. On CUDA the snapshot is
 learner owns plus the activation estimate.
 
 What this is not: recovery (the learner halves its micro-batch) or the dry-run
-memory ledger (rlctl.ops.memory), which plans memory before a run.
+memory ledger (rlctl.planning.memory), which plans memory before a run.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root
         result = sft(net, tokenizer, task.train, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
                      progress=progress, dev=task.dev[:ws.eval_prompts] if ws.target_dev_accuracy else (),
                      target=ws.target_dev_accuracy, eval_every=ws.eval_every)
-    from rlctl.engine.durable import write_dir_durably
+    from rlctl.storage.durable import write_dir_durably
 
     def fill(tmp: Path) -> None:
         net.save_pretrained(tmp)

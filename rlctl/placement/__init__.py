@@ -12,7 +12,7 @@ into role objects; rlctl.placement.ranks is the process-group plumbing local
 and Ray ranks share. The ``ray_*`` modules are the only ones in rlctl that
 import ray, and only a Ray placement imports them.
 
-What this is not: the loops (rlctl.engine) or run bookkeeping (rlctl.ops).
+What this is not: the loops (rlctl.engine) or run bookkeeping (rlctl.lifecycle).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rlctl.placement.ray_placement). It fails before any training starts if a name,
 an option, the data or the model is bad, or a loop option cannot work in the
 run's mode (rlctl.engine.spec.check_loop_options).
 
-What this is not: the loop (rlctl.engine.loop) or run bookkeeping (rlctl.ops).
+What this is not: the loop (rlctl.engine.loop) or run bookkeeping (rlctl.lifecycle).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 What this is: ``AblationStore``, a thin layer over ``Registry``'s transactions
 for the two ablation tables; it returns contract dataclasses.
 
-What this is not: running the matrix or its statistics (rlctl.ops.ablate).
+What this is not: running the matrix or its statistics (rlctl.lifecycle.ablate).
 """
 
 from __future__ import annotations

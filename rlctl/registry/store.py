@@ -11,7 +11,7 @@ RegistryError otherwise.
 Checkpoints: the checkpoints table is an index of committed checkpoint
 directories. A row is added only after the directory's manifest is committed
 and removed when retention deletes it; the directory is the truth, and a
-resume reconciles the rows with it (rlctl.ops.checkpoints).
+resume reconciles the rows with it (rlctl.lifecycle.resume).
 
 What this is not: the checkpoint store itself (rlctl.engine.checkpoint),
 schema management (db.py, migrations/) or rendering.

@@ -43,7 +43,7 @@ def test_overrides_follow_the_config_like_train(home):
 def test_unknown_estimator_fails_before_anything_is_recorded(plugins, tmp_path):
     from rlctl.config.load import load_config
     from rlctl.contracts.errors import PluginError
-    from rlctl.ops.ablate import plan, run_ablation
+    from rlctl.lifecycle.ablate import plan, run_ablation
     from rlctl.registry.store import Registry
 
     p = plan(load_config(REPO / "configs" / "quickstart.yaml", TINY_OVERRIDES), ["algo.name=grpo,nosuch"], 1, None)

@@ -39,7 +39,7 @@ def session_for(plugins, home: Path, *overrides: str):
 
 def run(placement, directory: Path, roles=None, **kw):
     """Drive ``roles`` (default: the placement's) to the end of the run, then close the placement; the rows logged."""
-    from rlctl.engine.loop import drive
+    from rlctl.engine.drive import drive
     from rlctl.engine.spec import LoopSpec
 
     roles = roles or placement.roles

@@ -41,8 +41,8 @@ CASES = {
 def test_diagnose_ranks_the_injected_cause_first(case: str, _rlctl_home: Path, tmp_path: Path) -> None:
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.diagnose import diagnose_run
-    from rlctl.ops.train import train
+    from rlctl.incidents.diagnose import diagnose_run
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     overrides, branch, runbook = CASES[case]

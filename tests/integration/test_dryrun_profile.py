@@ -145,8 +145,8 @@ def test_ledger_matches_cuda_allocator_on_gpu():
         pytest.skip("no CUDA device")
     from rlctl.config.models import ModelConfig
     from rlctl.models.load import build_tiny
-    from rlctl.ops.memory import Strategy, Workload, activation_bytes
-    from rlctl.ops.shapes import builtin_shape
+    from rlctl.planning.memory import Strategy, Workload, activation_bytes
+    from rlctl.planning.shapes import builtin_shape
 
     cfg = ModelConfig(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768)
     model = build_tiny(cfg, 99, 0, 1, 2, seed=0).cuda().train()

@@ -1,6 +1,6 @@
 """Each injected fault ends in its documented recovery, proven by registry events and counters.
 
-In-process tiny runs (deterministic CPU mode) through ``rlctl.ops.train.train``:
+In-process tiny runs (deterministic CPU mode) through ``rlctl.lifecycle.train.train``:
 OOM (classified, micro-batch halved, same final parameters as a fault-free
 run within float tolerance), verifier timeouts (retried with a fresh grader,
 whole groups dropped and counted, never scored 0), NaN (skipped without a
@@ -26,7 +26,7 @@ BASE = [*TINY_OVERRIDES, "train.deterministic=true", "eval.at_end=false", "train
 def _train(home: Path, tmp: Path, name: str, *overrides: str, expect_error: bool = False):
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     cfg = load_config(None, [*BASE, *overrides])
@@ -203,7 +203,7 @@ def test_a_skipped_nan_step_leaves_parameters_unchanged(tiny_config, plugins, _r
 def test_watchdog_reports_role_phase_and_stack_instead_of_hanging(_rlctl_home, tmp_path):
     import time
 
-    from rlctl.ops.recovery import HangError
+    from rlctl.incidents.recovery import HangError
 
     started = time.monotonic()
     err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang", "faults.watchdog_timeout_s=1",
@@ -225,7 +225,7 @@ OVERLAPPED = ["mode=async", "cluster.backend=local", "cluster.num_rollout_worker
 
 def test_watchdog_names_the_rollout_when_an_overlapped_driver_waits_for_trajectories(_rlctl_home, tmp_path):
     """One worker (a second one would feed the async learner instead); it straggles past the timeout."""
-    from rlctl.ops.recovery import HangError
+    from rlctl.incidents.recovery import HangError
 
     err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-rollout", *OVERLAPPED,
                                "faults.watchdog_timeout_s=3",  # the straggler takes 8 s
@@ -241,7 +241,7 @@ def test_watchdog_names_the_rollout_when_an_overlapped_driver_waits_for_trajecto
 
 def test_watchdog_names_the_learner_when_it_hangs_while_producers_keep_beating(_rlctl_home, tmp_path):
     """A slow-learner fault blocks the learner's train call; producer beats do not reset the timer."""
-    from rlctl.ops.recovery import HangError
+    from rlctl.incidents.recovery import HangError
 
     # 5 s: the first batch, generated before the learner is reached, must fit in it on a loaded machine
     err, reg, run_dir = _train(_rlctl_home, tmp_path, "hang-async-learner", *OVERLAPPED,

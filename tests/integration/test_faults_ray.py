@@ -102,9 +102,9 @@ def test_faults_injected_into_the_running_run_fire_inside_the_live_learner_actor
     from rlctl.config.models import FaultSpec
     from rlctl.engine.ledger import audit
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.inject import inject_running
-    from rlctl.ops.run import TrainCallbacks
-    from rlctl.ops.train import train
+    from rlctl.incidents.inject import inject_running
+    from rlctl.lifecycle.run import TrainCallbacks
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     from tests.integration.test_faults import BASE
@@ -146,7 +146,7 @@ def test_watchdog_names_the_learner_actor_call_that_hangs(ray_cluster, _rlctl_ho
     import time
 
     from rlctl.placement.ray_placement import RayLearner
-    from rlctl.ops.recovery import HangError
+    from rlctl.incidents.recovery import HangError
 
     def stuck(self, batch):
         time.sleep(300)  # interrupted by the watchdog's HangError

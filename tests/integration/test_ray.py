@@ -36,7 +36,7 @@ def run_ray(plugins, home, directory, *overrides, observer=None, checkpoint_ever
     from functools import partial
 
     from rlctl.engine.checkpoint import DiskCheckpointStore
-    from rlctl.engine.loop import drive
+    from rlctl.engine.drive import drive
     from rlctl.engine.snapshot import Provenance, StepCheckpointer, recover_newest
     from rlctl.engine.spec import LoopSpec
 

@@ -93,7 +93,7 @@ def test_quickstart_recipes_are_the_quickstart_with_one_estimator():
 def test_quickstart_recipe_dry_runs(path: Path, plugins, tmp_path):
     """Each recipe passes the dry run with its measured smoke step: two real steps of its estimator and its
     algo settings (the critic's too for ppo), on the tiny model shape so the default suite stays fast."""
-    from rlctl.ops.dryrun import DryrunOptions, dryrun
+    from rlctl.planning.dryrun import DryrunOptions, dryrun
 
     report = dryrun(load_config(path, TINY_OVERRIDES), plugins, tmp_path, DryrunOptions())
     assert all(c.ok for c in report.checks), report.checks

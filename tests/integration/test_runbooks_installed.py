@@ -26,7 +26,7 @@ def test_wheel_ships_runbooks_and_the_installed_package_finds_them(tmp_path: Pat
                     str(wheel)],  # --ignore-installed: never uninstall the environment's own rlctl
                    check=True, capture_output=True, timeout=600)
     [site] = prefix.glob("lib/python*/site-packages")
-    code = ("import rlctl.ops.runbooks as r; books = r.load_runbooks(); "
+    code = ("import rlctl.incidents.runbooks as r; books = r.load_runbooks(); "
             "print(r.runbook_dirs()[0]); print(len(books)); print(r.__file__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)

@@ -6,7 +6,7 @@ import pytest
 
 from rlctl.config.load import load_config
 from rlctl.contracts.errors import ConfigError
-from rlctl.ops.ablate import parse_axis, plan
+from rlctl.lifecycle.ablate import parse_axis, plan
 
 
 def test_parse_axis():

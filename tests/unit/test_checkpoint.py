@@ -401,7 +401,7 @@ COMMITTED_BY = {"ckpt.renamed", "ckpt.dir_synced", "ckpt.registry_row", "ckpt.re
 
 
 def test_sigkill_at_every_write_boundary_leaves_a_loadable_committed_checkpoint(tmp_path, tok_dir):
-    from rlctl.ops.checkpoints import reconcile
+    from rlctl.lifecycle.resume import reconcile
     from rlctl.registry.store import Registry
 
     for i, boundary in enumerate(BOUNDARIES):
@@ -485,7 +485,7 @@ def test_run_store_indexes_after_commit_and_calls_on_checkpoint_saved(tmp_path, 
     from rlctl.config.load import load_config
     from rlctl.contracts.roles import CheckpointStore
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import checkpoint_store
+    from rlctl.lifecycle.train import checkpoint_store
     from rlctl.registry.store import Registry
 
     seen = []
@@ -512,7 +512,7 @@ def test_run_store_indexes_after_commit_and_calls_on_checkpoint_saved(tmp_path, 
 
 def test_a_new_run_refuses_a_run_dir_holding_another_runs_checkpoints(tmp_path, tok_dir):
     from rlctl.config.load import load_config
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     DiskCheckpointStore(tmp_path / "run" / "checkpoints", async_save=False).save(make_state(2, tok_dir))

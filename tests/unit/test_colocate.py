@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rlctl import ConfigError, RoleError
 from rlctl.contracts.types import RolloutContext, RolloutRequest, WeightUpdate
 from rlctl.models.fingerprint import fingerprint
-from rlctl.ops.memory import GiB, kv_cache_bytes
+from rlctl.planning.memory import GiB, kv_cache_bytes
 
 
 def _engine(session, noisy=True, **options):

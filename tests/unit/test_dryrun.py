@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlctl.ops.memory import (
+from rlctl.planning.memory import (
     GiB,
     Placement,
     Strategy,
@@ -16,7 +16,7 @@ from rlctl.ops.memory import (
     ledger,
     parse_bytes,
 )
-from rlctl.ops.shapes import PRESETS, ModelShape, from_hf_config, resolve_shape
+from rlctl.planning.shapes import PRESETS, ModelShape, from_hf_config, resolve_shape
 
 GPU = Strategy(param_bytes=2, master_weights=True, optim_state_bytes=8, zero_stage=3, checkpointing=True,
                rollout_bytes=2, engine="serving", gpu=True)
@@ -76,8 +76,8 @@ def test_activation_formula_matches_measured_saved_tensors():
 
     from rlctl.config.models import ModelConfig
     from rlctl.models.load import build_tiny
-    from rlctl.ops.dryrun import _DispatchMeter, _live_mode
-    from rlctl.ops.shapes import builtin_shape
+    from rlctl.planning.dryrun import _DispatchMeter, _live_mode
+    from rlctl.planning.shapes import builtin_shape
 
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
     model = build_tiny(cfg, 99, 0, 1, 2, seed=0).train()
@@ -99,7 +99,7 @@ def test_activation_formula_matches_measured_saved_tensors():
 def test_meter_counts_allocations_and_frees():
     import torch
 
-    from rlctl.ops.dryrun import _DispatchMeter, _live_mode
+    from rlctl.planning.dryrun import _DispatchMeter, _live_mode
 
     meter = _DispatchMeter(roles=None)
     with _live_mode(meter):
@@ -166,7 +166,7 @@ def test_parse_bytes(text, value):
 
 
 def test_plan_is_labelled_estimate_and_split_overlaps():
-    from rlctl.ops.plan import plan
+    from rlctl.planning.plan import plan
 
     rows = plan()
     assert {r.placement for r in rows} == {"colocate", "split:4+4"}

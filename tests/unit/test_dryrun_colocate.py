@@ -9,9 +9,9 @@ import pytest
 
 from rlctl.config.load import load_config
 from rlctl.contracts.errors import ConfigError
-from rlctl.ops.dryrun import DryrunOptions, dryrun, role_memory, strategy, workload
-from rlctl.ops.memory import GiB, Placement, Strategy, kv_cache_bytes, ledger
-from rlctl.ops.shapes import PRESETS
+from rlctl.planning.dryrun import DryrunOptions, dryrun, role_memory, strategy, workload
+from rlctl.planning.memory import GiB, Placement, Strategy, kv_cache_bytes, ledger
+from rlctl.planning.shapes import PRESETS
 from tests.conftest import TINY_OVERRIDES
 
 SHAPE = PRESETS["0.5b"]
@@ -74,7 +74,7 @@ def test_plain_strategy_keeps_engine_weights_persistent():
 
 
 def _work():
-    from rlctl.ops.memory import Workload
+    from rlctl.planning.memory import Workload
 
     return Workload(prompts_per_step=4, group_size=2, prompt_tokens=10, response_tokens=10, micro_batch_size=1,
                     rollout_rows=8)

@@ -3,7 +3,7 @@ shards the way ``--zero-stage`` models it."""
 
 from __future__ import annotations
 
-from rlctl.ops.dryrun import learner_notes, learner_unavailable, role_memory, sharding_learners
+from rlctl.planning.dryrun import learner_notes, learner_unavailable, role_memory, sharding_learners
 
 
 def test_the_fsdp2_learner_is_the_installed_zero3_learner_and_torch_shards_nothing(plugins):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rlctl.contracts.roles import RewardFunction
 from rlctl.contracts.types import PromptRecord, RewardResult, SamplingConfig, Split, TerminalReason, Trajectory
 from rlctl.engine.batching import CursorState, PromptCursor, build_batch, group_rewards
-from rlctl.engine.eval import paired_bootstrap, pooled_bootstrap
+from rlctl.lifecycle.grading import paired_bootstrap, pooled_bootstrap
 from rlctl.engine.metrics import step_metrics
 from rlctl.engine.reward_mix import MixedReward
 from rlctl.engine.scoring import score_all

@@ -102,7 +102,7 @@ def test_core_never_imports_a_plugin_nor_the_kit():
 
 @pytest.mark.parametrize(("source", "found"), [
     ("from rlctl.engine.faults import fault_site\n", "x.py:1: imports rlctl.engine.faults"),
-    ("import os\n\ndef f():\n    import rlctl.ops.memory\n", "x.py:4: imports rlctl.ops.memory"),
+    ("import os\n\ndef f():\n    import rlctl.planning.memory\n", "x.py:4: imports rlctl.planning.memory"),
     ("from rlctl import engine\n", "x.py:1: imports rlctl.engine"),
     ("from rlctl.algo.losses import value_loss\n", "x.py:1: imports rlctl.algo.losses"),
     ("import rlctl.algo as F\n", "x.py:1: imports rlctl.algo"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl.ops.profile import WALL_METRIC, StepTimes, latency, measured_placement, profile_run, split_estimates
+from rlctl.planning.profile import WALL_METRIC, StepTimes, latency, measured_placement, profile_run, split_estimates
 
 
 def _step(step, r, v, l, s, wall=None, gen=100.0):
@@ -107,7 +107,7 @@ def test_bad_compare_name(registry):
 
 def test_an_overlapped_run_is_labelled_and_its_waits_explained(registry):
     """T_r of an overlapped step is the learner's wait: the report says so and shows both sides' waits."""
-    from rlctl.ops.profile import build_report
+    from rlctl.planning.profile import build_report
 
     run = registry.create_run(name="o", config={}, config_hash="h", code_version="c", dataset_version="d",
                               tokenizer_hash="t", seed=0, run_dir="")

@@ -262,7 +262,7 @@ def test_a_protocol_only_learner_trains_two_steps(home: Path, tmp_path: Path) ->
 
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     plugins = load_plugins(extra={"thirdparty": ThirdParty()})
@@ -281,7 +281,7 @@ def test_a_protocol_only_learner_trains_two_steps(home: Path, tmp_path: Path) ->
 def test_protocol_only_roles_run_two_steps_together(home: Path, tmp_path: Path) -> None:
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     plugins = load_plugins(extra={"thirdparty": ThirdParty()})
@@ -302,9 +302,9 @@ def test_protocol_only_roles_run_two_steps_together(home: Path, tmp_path: Path) 
 def test_core_touches_only_protocol_members(home: Path, tmp_path: Path) -> None:
     from rlctl.config.load import load_config
     from rlctl.hooks.manager import load_plugins
-    from rlctl.ops.checkpoints import resume
-    from rlctl.ops.dryrun import DryrunOptions, smoke_step
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.resume import resume
+    from rlctl.planning.dryrun import DryrunOptions, smoke_step
+    from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
     third = ThirdParty()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl.ops.staleness import SimParams, pareto, predict
+from rlctl.planning.staleness import SimParams, pareto, predict
 
 
 def params(mode: str, k: int, learn_s: float, token_s: float, **kw) -> SimParams:

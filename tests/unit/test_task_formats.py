@@ -152,7 +152,7 @@ def test_template_tokenizer_and_grader_changes_change_the_version_and_resume_ref
     assert len(set(versions)) == 4, versions
     assert [r.text for r in retokenized.train] == [r.text for r in base.train]  # same text, still a new version
 
-    # resume compares the checkpoint's dataset version with the reloaded task's (rlctl.ops.checkpoints.resume)
+    # resume compares the checkpoint's dataset version with the reloaded task's (rlctl.lifecycle.resume.resume)
     state = dataclasses.replace(make_state(1, tok), dataset_version=base.version)
     assert compatibility_problems(state, dataset_version=base.version) == []
     for changed in versions[1:]:

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rlctl.contracts.errors import RunbookError
-from rlctl.ops.diagnose import diagnose, render_html
-from rlctl.ops.runbooks import find_runbook, load_runbooks, parse_runbook, runbook_dirs
-from rlctl.ops.triggers import History, Trigger, evaluate
+from rlctl.incidents.diagnose import diagnose, render_html
+from rlctl.incidents.runbooks import find_runbook, load_runbooks, parse_runbook, runbook_dirs
+from rlctl.incidents.triggers import History, Trigger, evaluate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,7 +113,7 @@ def test_entropy_triggers_fire_on_a_real_collapse_and_a_real_jump() -> None:
 
 
 def test_the_live_alerts_keep_enough_history_for_every_shipped_trigger() -> None:
-    from rlctl.ops.recovery import ALERT_WINDOW
+    from rlctl.incidents.recovery import ALERT_WINDOW
 
     for book in load_runbooks(REPO / "runbooks"):
         for t in book.triggers:
@@ -200,7 +200,7 @@ def test_a_live_alert_flickering_at_its_bound_is_one_report_until_it_has_been_qu
     alert event); after REALERT_AFTER quiet steps, or when the run went back to an earlier step, it is new."""
     from types import SimpleNamespace
 
-    from rlctl.ops.recovery import REALERT_AFTER, _Alerts
+    from rlctl.incidents.recovery import REALERT_AFTER, _Alerts
 
     events, warnings = [], []
     registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: events.append(data["step"]))

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rlctl.engine.heartbeat import NO_HEARTBEAT
-from rlctl.ops.watchdog import HangError, Watchdog
+from rlctl.incidents.watchdog import HangError, Watchdog
 
 
 def _watch(reports: list[tuple[str, str, str]]) -> Watchdog:

@@ -40,7 +40,7 @@ from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightManifest, WeightShard
 from rlctl.engine.transports import load_blob, safetensors_parts
 from rlctl.engine.weight_codec import ShardDraft, manifest_from_dict, manifest_to_dict
-from rlctl.engine.durable import fsync_path
+from rlctl.storage.durable import fsync_path
 from rlctl.engine.faults import fault_site
 
 MANIFEST = "manifest.json"

@@ -8,7 +8,7 @@ run joins a seed group (a ``seed_group`` event whose message is the group id,
 so ``rlctl eval --group G`` finds them). At the end the group is evaluated at
 once: the shared starting policy is graded once, each final policy once, each
 seed gets its paired bootstrap CI and the group a pooled CI (hierarchical
-bootstrap over seeds and prompts, rlctl.engine.eval.pooled_bootstrap).
+bootstrap over seeds and prompts, rlctl.lifecycle.grading.pooled_bootstrap).
 
 What this is not: a sweep (settings stay fixed; only the RL seed changes) or
 parallel training (seeds run one after another in this process).
@@ -24,8 +24,8 @@ from typing import Any
 
 from rlctl.config.models import RunConfig
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.evaluate import GroupEval
-from rlctl.ops.train import TrainCallbacks, TrainResult
+from rlctl.lifecycle.evaluate import GroupEval
+from rlctl.lifecycle.train import TrainCallbacks, TrainResult
 from rlctl.registry.store import Registry
 
 
@@ -56,8 +56,8 @@ def seed_configs(config: RunConfig, num_seeds: int) -> list[RunConfig]:
 
 def train_seeds(config: RunConfig, num_seeds: int, *, registry: Registry, plugins: Plugins, home: Path,
                 run_dir: Path | None = None, callbacks: TrainCallbacks | None = None) -> SeedsResult:
-    from rlctl.ops.evaluate import evaluate_runs
-    from rlctl.ops.train import train
+    from rlctl.lifecycle.evaluate import evaluate_runs
+    from rlctl.lifecycle.train import train
 
     cb = callbacks or TrainCallbacks()
     group = f"seeds-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"

@@ -112,10 +112,10 @@ class _Run:
 
 class _Driller:
     def __init__(self, config: Path | None, overrides: Sequence[str], workdir: Path, registry_url: str,
-                 say: Callable[[str], None]) -> None:
+                 home: Path, say: Callable[[str], None]) -> None:
         self.config, self.overrides, self.workdir = config, list(overrides), workdir
-        self.registry_url, self.say = registry_url, say
-        self.env = {**os.environ, "RLCTL_REGISTRY_URL": registry_url, "OMP_NUM_THREADS": "1"}
+        self.registry_url, self.home, self.say = registry_url, home, say
+        self.env = {**os.environ, "RLCTL_REGISTRY_URL": registry_url, "RLCTL_HOME": str(home), "OMP_NUM_THREADS": "1"}
 
     def train(self, name: str, faults: list[dict[str, Any]], *extra: str, supervise: bool = False) -> _Run:
         run_dir = self.workdir / name
@@ -133,13 +133,12 @@ class _Driller:
     def servers(self, n: int) -> list["_Server"]:
         """``n`` fresh ``rlctl serve rollout`` processes on 127.0.0.1 serving the drill's starting policy."""
         if not hasattr(self, "_policy_dir"):
-            from rlctl.cli._options import rlctl_home
             from rlctl.config.load import load_config
             from rlctl.placement.build import load_task, resolve_policy_dir
             from rlctl.hooks.manager import load_plugins
 
             cfg = load_config(self.config or self._blank_config(), [*DRILL_OVERRIDES, *self.overrides])
-            self._policy_dir = resolve_policy_dir(cfg, load_task(cfg, load_plugins()), rlctl_home() / "cache")
+            self._policy_dir = resolve_policy_dir(cfg, load_task(cfg, load_plugins()), self.home / "cache")
         return [_Server(self._policy_dir, self.workdir, self.env) for _ in range(n)]
 
     def sglang(self, name: str, servers: list["_Server"], faults: list[dict[str, Any]]) -> _Run:
@@ -359,9 +358,11 @@ DRILLS: dict[str, Callable[[_Driller], DrillResult]] = {
 }
 
 
-def run_drills(config: Path | None, overrides: Sequence[str], registry_url: str, *, only: Sequence[str] = (),
-               workdir: Path | None = None, say: Callable[[str], None] = lambda m: None) -> list[DrillResult]:
-    """Run the drills (all, or ``only``) and record a ``drill`` event on each drill's run."""
+def run_drills(config: Path | None, overrides: Sequence[str], registry_url: str, *, home: Path,
+               only: Sequence[str] = (), workdir: Path | None = None,
+               say: Callable[[str], None] = lambda m: None) -> list[DrillResult]:
+    """Run the drills (all, or ``only``) and record a ``drill`` event on each drill's run; ``home`` is the
+    RLCTL_HOME the drills' runs use (their warm-start cache and run directories)."""
     from rlctl.contracts.errors import ConfigError
     from rlctl.registry.store import Registry
 
@@ -369,7 +370,7 @@ def run_drills(config: Path | None, overrides: Sequence[str], registry_url: str,
     if unknown:
         raise ConfigError(f"unknown drill(s): {', '.join(unknown)}", f"drills: {', '.join(DRILLS)}")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="rlctl-drill-"))
-    driller = _Driller(config, overrides, workdir, registry_url, say)
+    driller = _Driller(config, overrides, workdir, registry_url, home, say)
     results = []
     for name, fn in DRILLS.items():
         if only and name not in only:

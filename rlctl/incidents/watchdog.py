@@ -3,7 +3,7 @@
 What this is: ``Watchdog`` (a ``Heartbeat``, rlctl.engine.heartbeat, that the
 loops beat through; its thread reports a driver phase that lasts longer than
 ``faults.watchdog_timeout_s``) and ``HangError``, what the run stops with.
-rlctl.ops.recovery.RunGuard starts it and records its report as a ``hang``
+rlctl.incidents.recovery.RunGuard starts it and records its report as a ``hang``
 event.
 
 What this is not: the loops' phases (rlctl.engine.loop, rlctl.engine.overlap

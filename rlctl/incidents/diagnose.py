@@ -10,8 +10,8 @@ run from the registry. ``render_html`` / ``render_pngs`` draw the metric
 curves of each finding with the flagged windows shaded (matplotlib, PNGs
 embedded base64 in one self-contained HTML file).
 
-What this is not: the trigger semantics (rlctl.ops.triggers), the runbook
-files (rlctl.ops.runbooks) or the CLI (rlctl.cli.diagnose).
+What this is not: the trigger semantics (rlctl.incidents.triggers), the runbook
+files (rlctl.incidents.runbooks) or the CLI (rlctl.cli.diagnose).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlctl.ops.runbooks import Runbook, load_runbooks
-from rlctl.ops.triggers import SEVERITY_RANK, Firing, History, evaluate, history_from
+from rlctl.incidents.runbooks import Runbook, load_runbooks
+from rlctl.incidents.triggers import SEVERITY_RANK, Firing, History, evaluate, history_from
 
 RECOVERY_EVENTS = ("nan_rollback", "oom_recovered", "groups_dropped", "verifier_retry", "checkpoint_fallback",
                    "supervisor_restart", "alert", "fault_injected", "hang", "resumed")
@@ -121,7 +121,7 @@ def _reward_flat(history: History) -> bool:
 
 def _data_finding(history: History) -> Finding:
     """Nothing fired but the reward did not improve: the last branch of the tree (data, template, tokenizer)."""
-    from rlctl.ops.triggers import Trigger
+    from rlctl.incidents.triggers import Trigger
 
     trigger = Trigger(id="reward-flat", when="drops", metric="reward_mean", by=0.0, window=1, severity="info",
                       summary="reward did not improve and no other trigger fired")

@@ -9,7 +9,7 @@ a non-zero exit. A child that exits with an error it reported itself (bad
 config, a failed canary, a hang) is not restarted: repeating it would not help.
 
 What this is not: a cluster scheduler (Ray restarts actors in the ray mode),
-or the resume logic (rlctl.ops.checkpoints.resume, which the child runs).
+or the resume logic (rlctl.lifecycle.resume.resume, which the child runs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run's guard: injected faults, recovery events, NaN rollback, live alerts and the hang watchdog.
 
-What this is: ``RunGuard``, which ``rlctl.ops.train.execute`` starts around the
+What this is: ``RunGuard``, which ``rlctl.lifecycle.train.execute`` starts around the
 loop. It
 
 - arms the run's injected faults (``faults.inject`` / ``rlctl inject``) from
@@ -18,7 +18,7 @@ loop. It
   to open;
 - evaluates the runbooks' triggers over a sliding window after every step
   (live alerts: shown in the progress display, recorded as ``alert`` events);
-- runs the watchdog (rlctl.ops.watchdog) when ``faults.watchdog_timeout_s``
+- runs the watchdog (rlctl.incidents.watchdog) when ``faults.watchdog_timeout_s``
   > 0: the loops (synchronous and overlapped) beat their phases through
   ``heartbeat``; a phase that makes no progress for that long is reported by
   role and phase with a faulthandler stack dump of every thread (``hang``
@@ -39,8 +39,8 @@ from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.roles import ResumePoint
-from rlctl.ops.triggers import History
-from rlctl.ops.watchdog import HangError, Watchdog
+from rlctl.incidents.triggers import History
+from rlctl.incidents.watchdog import HangError, Watchdog
 
 ALERT_WINDOW = 40  # steps of history the live alerts look at
 REALERT_AFTER = 10  # quiet steps before a trigger that fires again is a new alert (not the same episode)
@@ -337,7 +337,7 @@ class _Alerts:
     """
 
     def __init__(self, registry: Any, run_id: str, warn: Callable[[str], None], start_step: int) -> None:
-        from rlctl.ops.runbooks import load_runbooks
+        from rlctl.incidents.runbooks import load_runbooks
 
         self.registry, self.run_id, self.warn = registry, run_id, warn
         self.books = load_runbooks()
@@ -350,7 +350,7 @@ class _Alerts:
                     self.series.setdefault(p.name, []).append((p.step, p.value))
 
     def observe(self, step: int, metrics: Mapping[str, float], events: list[Any]) -> None:
-        from rlctl.ops.triggers import evaluate
+        from rlctl.incidents.triggers import evaluate
 
         for name, value in metrics.items():
             kept = [sv for sv in self.series.setdefault(name, []) if sv[0] < step][-ALERT_WINDOW:]

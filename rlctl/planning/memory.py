@@ -25,7 +25,7 @@ coefficients were counted on the tiny model with a live-tensor meter
 (tests/unit/test_dryrun.py keeps them honest). With checkpointing each layer
 keeps only its input (b h) and one layer is recomputed at a time.
 
-What this is not: measurement (rlctl.ops.dryrun) or rendering (rlctl.cli.dryrun).
+What this is not: measurement (rlctl.planning.dryrun) or rendering (rlctl.cli.dryrun).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rlctl.ops.shapes import ModelShape
+from rlctl.planning.shapes import ModelShape
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -5,7 +5,7 @@ What this is: ``dryrun()``, the library function behind the command:
 1. checks: the config (already validated on load), every plugin name and its
    options, the task data (every split non-empty) and the tokenizer (special
    tokens, prompt lengths measured with it);
-2. the memory ledger (rlctl.ops.memory) per placement and device, for the
+2. the memory ledger (rlctl.planning.memory) per placement and device, for the
    config's model or a shape preset / config.json (``shape``), without
    loading weights;
 3. a smoke step (two real sync steps of the config through rlctl.engine.loop;
@@ -18,8 +18,8 @@ What this is: ``dryrun()``, the library function behind the command:
    run is then compared with the measurement: relative error per phase and at
    the device peak.
 
-What this is not: the ledger arithmetic (rlctl.ops.memory), the planner
-(rlctl.ops.plan) or rendering (rlctl.cli.dryrun).
+What this is not: the ledger arithmetic (rlctl.planning.memory), the planner
+(rlctl.planning.plan) or rendering (rlctl.cli.dryrun).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.roles import ShardedLearnerOptions, ZeroStagedOptions
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.memory import (PHASES, DeviceLedger, Placement, Strategy, Workload, fmt_bytes, kv_budget_rows,
+from rlctl.planning.memory import (PHASES, DeviceLedger, Placement, Strategy, Workload, fmt_bytes, kv_budget_rows,
                               kv_cache_bytes, ledger)
-from rlctl.ops.shapes import ModelShape, builtin_shape, from_hf_config, resolve_shape
+from rlctl.planning.shapes import ModelShape, builtin_shape, from_hf_config, resolve_shape
 
 LEDGER_TOLERANCE = 0.25  # acceptance bound for |ledger - measured| / measured on the tiny model
 
@@ -100,7 +100,7 @@ class DryrunReport:
     placements: dict[str, list[DeviceLedger]]
     smoke: SmokeResult | None
     notes: tuple[str, ...] = ()
-    staleness: Any = None  # rlctl.ops.staleness.RunPrediction for mode one_step_off / async (needs the smoke step)
+    staleness: Any = None  # rlctl.planning.staleness.RunPrediction for mode one_step_off / async (needs the smoke step)
 
     @property
     def fits(self) -> dict[str, bool]:
@@ -144,7 +144,7 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
         if smoke is None:
             notes.append("staleness prediction needs the smoke step's timings (drop --no-smoke)")
         else:
-            from rlctl.ops.staleness import predict_for_run
+            from rlctl.planning.staleness import predict_for_run
 
             staleness = predict_for_run(config, smoke.metrics)
     return DryrunReport(checks=tuple(checks), shape=shape, workload=work, strategy=strat, placements=placements,

@@ -3,7 +3,7 @@
 What this is: ``plan()``, behind ``rlctl dryrun --plan``. For each placement
 (8 colocated; 4 rollout + 4 learner, synchronous and one-step-off) and for 32
 and 128 prompts per step it gives the memory ledger verdict per device kind
-(rlctl.ops.memory) and an estimated step time split into T_r, T_v, T_l, T_s
+(rlctl.planning.memory) and an estimated step time split into T_r, T_v, T_l, T_s
 from a roofline model with stated assumptions (``Hardware``):
 
 - rollout: prefill is compute-bound (2 P tokens FLOPs at ``prefill_mfu``);
@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlctl.ops.memory import GiB, Placement, Strategy, Workload, ledger
-from rlctl.ops.shapes import PRESETS, ModelShape
+from rlctl.planning.memory import GiB, Placement, Strategy, Workload, ledger
+from rlctl.planning.shapes import PRESETS, ModelShape
 
 
 @dataclass(frozen=True, slots=True)

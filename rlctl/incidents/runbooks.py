@@ -23,8 +23,8 @@ A runbook file::
     # Out of memory
     ...
 
-What this is not: the trigger semantics (rlctl.ops.triggers) or the diagnosis
-ranking (rlctl.ops.diagnose).
+What this is not: the trigger semantics (rlctl.incidents.triggers) or the diagnosis
+ranking (rlctl.incidents.diagnose).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlctl.contracts.errors import RunbookError
-from rlctl.ops.triggers import Firing, History, Trigger, evaluate
+from rlctl.incidents.triggers import Firing, History, Trigger, evaluate
 
 _FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*\n(.*)\Z", re.S)
 DATA_DIR = "share/rlctl/runbooks"

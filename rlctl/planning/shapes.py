@@ -7,7 +7,7 @@ Qwen2.5 dense shapes (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B,32B,72B}), the
 family the recipes name by size.
 
 What this is not: a model loader (rlctl.models.load) or the ledger itself
-(rlctl.ops.memory). Nothing here imports torch.
+(rlctl.planning.memory). Nothing here imports torch.
 """
 
 from __future__ import annotations

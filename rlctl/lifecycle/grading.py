@@ -5,7 +5,7 @@ through the configured rollout backend, grade it with the run's correctness
 reward (the ``math`` component, or the first component), and compare two
 policies on the same prompts with a paired bootstrap 95% CI.
 
-What this is not: registry bookkeeping (rlctl.ops.evaluate) or sampling-based
+What this is not: registry bookkeeping (rlctl.lifecycle.evaluate) or sampling-based
 pass@k.
 """
 

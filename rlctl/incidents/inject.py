@@ -6,7 +6,7 @@ that is training right now: the spec is written atomically into
 ``<run_dir>/inject/``, and the run's guard arms it at its next step end and
 records a ``fault_armed`` event).
 
-What this is not: the fault kinds (plugins) or recovery (rlctl.ops.recovery).
+What this is not: the fault kinds (plugins) or recovery (rlctl.incidents.recovery).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ What this is: ``Trigger`` (a validated condition such as "clip_fraction above
 0.5 for 3 steps" or "an ``oom_recovered`` event occurred"), and ``evaluate``,
 which checks one trigger against a metric history and an event log and
 returns a ``Firing`` with its evidence (metric, flagged step windows, values).
-Runbook front matter declares triggers (rlctl.ops.runbooks); ``rlctl diagnose``,
+Runbook front matter declares triggers (rlctl.incidents.runbooks); ``rlctl diagnose``,
 ``rlctl runbook check`` and the live alerts during training all evaluate these
 same objects, so a threshold lives in exactly one place.
 

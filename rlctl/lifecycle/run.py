@@ -18,7 +18,7 @@ Rules it keeps:
   are indexed after each commit and reconciled with the directory on resume.
 
 What this is not: building roles (rlctl.placement), the loop
-(rlctl.engine.loop) or what a resume may change (rlctl.ops.checkpoints).
+(rlctl.engine.loop) or what a resume may change (rlctl.lifecycle.resume).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecor
 from rlctl.engine.roles import START, ResumePoint
 from rlctl.engine.rundir import RunDir, RunLock
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.provenance import code_version
+from rlctl.lifecycle.provenance import code_version
 from rlctl.registry.store import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,7 +92,7 @@ class Run:
         self.started = time.perf_counter()
         self._lock, self._new = lock, new
         self._placement: "Placement | None" = None
-        self._guard: Any = None  # rlctl.ops.recovery.RunGuard while the loop runs
+        self._guard: Any = None  # rlctl.incidents.recovery.RunGuard while the loop runs
         self._sinks: list[Any] = []
         self._checkpointer: Any = None
 
@@ -237,10 +237,10 @@ class Run:
 
     def _train(self, roles: "Roles", resume: ResumePoint) -> dict[str, float]:
         """Sinks, checkpointer, hooks and the run's guard around the loop; the final save; the last metrics."""
-        from rlctl.engine.loop import drive
+        from rlctl.engine.drive import drive
         from rlctl.engine.snapshot import recover_newest
         from rlctl.engine.spec import LoopSpec, ignored_options
-        from rlctl.ops.recovery import RunGuard
+        from rlctl.incidents.recovery import RunGuard
 
         config, run_id = roles.config, self.record.id
         self._start_files(roles)
@@ -254,7 +254,7 @@ class Run:
             for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
         checkpointer = self._checkpointer = self._make_checkpointer(roles)
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
-        # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.ops.recovery)
+        # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)
         guard = self._guard = RunGuard(roles, run_id, self.dir.root, self.registry, self.plugins, self.warn,
                                        resume.step).start()
         if self.cb.start:
@@ -334,7 +334,7 @@ class Run:
         result = TrainResult(run=self.registry.get_run(run_id), last_metrics=dict(last), wall_s=wall,
                              resumed_from=resumed_from, first_step=start_step)
         if config.eval.at_end:
-            from rlctl.ops.evaluate import evaluate_run
+            from rlctl.lifecycle.evaluate import evaluate_run
 
             result.eval, result.eval_details = evaluate_run(self.registry, self.plugins, run_id,
                                                             progress=self.cb.eval_progress)

@@ -16,8 +16,8 @@ the budget is what the baseline cell's first seed generates in train.steps
 steps; every other run then stops at the first step whose running total
 reaches it, so token counts agree within one batch.
 
-What this is not: the training loop (rlctl.ops.train) or the bootstrap maths
-(rlctl.engine.eval).
+What this is not: the training loop (rlctl.lifecycle.train) or the bootstrap maths
+(rlctl.lifecycle.grading).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _run_one(p: Plan, ablation_id: str, spec: dict[str, Any], cell: Cell, seed: 
              records: Sequence[Any], store: Any, registry: Registry, plugins: Plugins, home: Path,
              cb: AblateCallbacks, index: int, total: int) -> dict[str, Any]:
     """Train one (cell, seed) at the budget, grade it, record it; returns the (possibly updated) spec."""
-    from rlctl.ops.train import TrainCallbacks, train
+    from rlctl.lifecycle.train import TrainCallbacks, train
 
     budget = spec.get("resolved_budget_tokens") or p.budget_tokens
     base = p.base
@@ -228,7 +228,7 @@ def _warm_start(base: RunConfig, plugins: Plugins, home: Path) -> tuple[Path, Se
 
 
 def _grade(config: RunConfig, policy_dir: Path, plugins: Plugins, records: Sequence[Any]) -> list[int]:
-    from rlctl.engine.eval import grade_policy
+    from rlctl.lifecycle.grading import grade_policy
     from rlctl.placement.build import load_task
 
     return list(grade_policy("policy", policy_dir, config, plugins, load_task(config, plugins), records).correct)
@@ -238,7 +238,7 @@ def _store_eval(registry: Registry, run_id: str, config: RunConfig, warm: Sequen
                 ablation_id: str) -> None:
     import time
 
-    from rlctl.engine.eval import paired_bootstrap
+    from rlctl.lifecycle.grading import paired_bootstrap
 
     comp = paired_bootstrap(warm, correct, samples=config.eval.bootstrap_samples, seed=config.run.seed)
     registry.add_eval(EvalRecord(
@@ -283,7 +283,7 @@ class AblationReport:
 
 def report(registry: Registry, ablation_id: str, samples: int = 2000) -> AblationReport:
     """Statistics of every finished run of the ablation, read back from the registry."""
-    from rlctl.engine.eval import paired_bootstrap, pooled_bootstrap
+    from rlctl.lifecycle.grading import paired_bootstrap, pooled_bootstrap
     from rlctl.registry.ablations import AblationStore
 
     store = AblationStore(registry)

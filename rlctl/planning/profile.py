@@ -1,7 +1,7 @@
 """``rlctl profile``: where a step's time goes, from a short measured run or a run's stored metrics.
 
 What this is: ``profile_config()`` trains a config for a few steps through
-``rlctl.ops.train.train`` (a normal registry run, eval and checkpoints off by
+``rlctl.lifecycle.train.train`` (a normal registry run, eval and checkpoints off by
 default) and times every step from outside the loop; ``profile_run()`` reads
 an existing run's per-step metrics from the registry. Both produce a
 ``ProfileReport``: the per-step stage times the loop measures (T_r rollout,
@@ -108,7 +108,7 @@ class ProfileReport:
 def profile_config(config: Any, *, registry: Any, plugins: Any, home: Path, compare: Sequence[str] = (),
                    out: Path | None = None) -> ProfileReport:
     """Train ``config`` (defaults: PROFILE_DEFAULTS, overridable) and profile every step it ran."""
-    from rlctl.ops.train import TrainCallbacks, train
+    from rlctl.lifecycle.train import TrainCallbacks, train
 
     marks: list[float] = []
     result = train(config, registry=registry, plugins=plugins, home=home, callbacks=TrainCallbacks(

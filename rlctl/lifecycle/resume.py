@@ -13,7 +13,7 @@ and continues the same run id. ``export()`` resolves a checkpoint reference
 and writes a plain Hugging Face directory.
 
 What this is not: the store or the restore itself (rlctl.engine.checkpoint,
-rlctl.engine.snapshot), or the run lifecycle (rlctl.ops.run.Run).
+rlctl.engine.snapshot), or the run lifecycle (rlctl.lifecycle.run.Run).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import CheckpointError
 from rlctl.contracts.types import CheckpointState
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.provenance import code_version
-from rlctl.ops.run import Run, TrainCallbacks, TrainResult, reconcile
+from rlctl.lifecycle.provenance import code_version
+from rlctl.lifecycle.run import Run, TrainCallbacks, TrainResult, reconcile
 from rlctl.registry.store import Registry
 
 __all__ = ["export", "reconcile", "resolve_checkpoint", "resume", "resume_config"]

@@ -2,11 +2,11 @@
 
 What this is: build every role first (so a bad config, plugin, data or model
 fails before a run row exists), then record the run with its provenance and
-run it through ``Run`` (rlctl.ops.run), which owns status, events, sinks,
+run it through ``Run`` (rlctl.lifecycle.run), which owns status, events, sinks,
 checkpoints, the run directory's lock and signals, for train and resume alike.
 
 What this is not: placing roles (rlctl.placement), the loop (rlctl.engine.loop), the run lifecycle
-(rlctl.ops.run) or its display (the CLI).
+(rlctl.lifecycle.run) or its display (the CLI).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from rlctl.config.models import RunConfig
 from rlctl.engine.rundir import RunDir
 from rlctl.hooks.manager import Plugins
-from rlctl.ops.run import RegistrySink, Run, TrainCallbacks, TrainResult, checkpoint_store
+from rlctl.lifecycle.run import RegistrySink, Run, TrainCallbacks, TrainResult, checkpoint_store
 from rlctl.registry.store import Registry
 
 __all__ = ["RegistrySink", "TrainCallbacks", "TrainResult", "checkpoint_store", "train"]

@@ -10,7 +10,7 @@ a paired bootstrap 95% CI of each difference and, for several runs, a pooled
 CI (hierarchical bootstrap over seeds and prompts), and stores each run's
 result in the registry.
 
-What this is not: grading logic (rlctl.engine.eval).
+What this is not: grading logic (rlctl.lifecycle.grading).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class GroupEval:
 
     evals: list[tuple[EvalRecord, dict[str, Any]]]
     seeds: list[int]  # each run's run.seed, in the order of evals
-    pooled: Any = None  # rlctl.engine.eval.Comparison
+    pooled: Any = None  # rlctl.lifecycle.grading.Comparison
     wins: int = 0
     losses: int = 0
 
@@ -47,7 +47,7 @@ def evaluate_run(registry: Registry, plugins: Plugins, run_id: str, split: str |
 
 def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], split: str | None = None,
                   num_prompts: int | None = None, progress: Callable[[str], None] | None = None) -> GroupEval:
-    from rlctl.engine.eval import grade_policy, paired_bootstrap, pooled_bootstrap
+    from rlctl.lifecycle.grading import grade_policy, paired_bootstrap, pooled_bootstrap
     from rlctl.placement.build import load_task
 
     if not run_ids:
