@@ -43,6 +43,7 @@ from rlctl.contracts.batch import TrainBatch
 from rlctl.contracts.types import LearnerContext, LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
+from rlctl.models.compat import kv_cache_name
 from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
 from rlctl.models.load import load_policy
@@ -462,7 +463,8 @@ def _prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [u, Lp]
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1][rows]  # [n, V]: predicts each row's first response token
-    cache = out.cache
+    kv = kv_cache_name()
+    cache = getattr(out, kv)
     cache.batch_select_indices(rows)
     rlen = ends - starts  # [n]
     width_r = int(rlen.max())
@@ -474,8 +476,8 @@ def _prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     if width_r > 1:
         full_mask = torch.cat([p_mask[rows], valid[:, :-1].long()], dim=1)  # [n, Lp + R - 1]
         positions = p_pos[rows, -1:] + 1 + offsets[None, : width_r - 1]  # [n, R-1]
-        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, cache=cache,
-                     use_cache=True).logits  # [n, R-1, V]
+        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, use_cache=True,
+                     **{kv: cache}).logits  # [n, R-1, V]
         logits = torch.cat([logits, more], dim=1)  # [n, R, V]
     s = batch.sampling
     lp = torch.where(valid, token_logprobs(logits, resp, s.temperature, s.top_k, s.top_p), 0.0)  # [n, R]

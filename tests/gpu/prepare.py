@@ -1,16 +1,18 @@
 """Get the GPU machine's own python ready for tests/gpu/run.sh, where nothing can be fetched.
 
 What this is: the first step of run.sh, run with the machine's python (``PY``), in three verbs:
-  plan     which of rlctl's requirements (pyproject's dependencies and bench extra, plus the test runner)
-           the image meets and which come from a wheel in ``.whl/`` (scripts/gpu_wheels.sh fills it). A wheel
-           is taken only where the image lacks the package or its version is outside rlctl's range, and the
-           wheels taken have their own requirements checked the same way. A requirement that neither the
-           image nor a wheel meets fails here, in seconds, naming it and the fix;
+  plan     which of rlctl's requirements (pyproject's dependencies and the test runner; the bench extra
+           for the TRL step) the image meets and which come from a wheel in ``.whl/`` (scripts/gpu_wheels.sh
+           fills it). A wheel is taken only where the image lacks the package or its version is outside
+           rlctl's range, and the wheels taken have their own requirements checked the same way. A core
+           requirement that neither the image nor a wheel meets fails here, in seconds, naming it and the
+           fix; an unmet bench one only leaves TRL out (run.sh's TRL step then fails at its import);
   install  ``plan``, then ``pip install --no-index --no-deps --target SITE`` of those wheels and of rlctl
            itself (editable, so its ``rlctl`` entry points, which load the built-in plugins, are there),
            for ``PYTHONPATH=REPO:REPO/plugins:SITE``;
   check    imports every module the run needs under that PYTHONPATH, prints a table of versions and where
-           each came from, and fails naming each module that does not import and the step that needs it.
+           each came from, and fails naming each module that does not import and the step that needs it;
+  cuda     names the device torch sees, or says "no CUDA device" and exits 3 (run.sh then stops cleanly).
 What this is not: a dependency resolver (one pinned wheel per name, chosen by scripts/gpu_wheels.sh), nor a
 way to set up a developer's venv (README's pip install).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import os
 import subprocess
 import sys
 import zipfile
@@ -28,15 +31,17 @@ from pathlib import Path
 from typing import Callable
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRAS = ("bench",)  # TRL's GRPOTrainer for run.sh's step-time comparison
+EXTRA = "bench"  # TRL's GRPOTrainer for run.sh's step-time comparison: optional, the other steps run without it
 TEST_RUNNER = ("pytest>=8", "hypothesis>=6.100")  # the image's own; the dev extra's exact pins are for venvs
 OPTIONAL = {"ray": "the Ray-actor GPU test skips without it (its 76 MiB wheel does not travel)"}
 
-# module to import, its distribution, the run.sh step that needs it
+# module to import, its distribution, the run.sh step that needs it (modules of OPTIONAL_STEP only warn)
+OPTIONAL_STEP = "TRL step time"
 IMPORTS: tuple[tuple[str, str, str], ...] = (
     ("torch", "torch", "every step"),
     ("torch.distributed.fsdp", "torch", "gpu tests, fsdp ledger (FSDP2)"),
@@ -51,15 +56,21 @@ IMPORTS: tuple[tuple[str, str, str], ...] = (
     ("typer", "typer", "quickstart (CLI)"),
     ("rich", "rich", "quickstart (CLI)"),
     ("pluggy", "pluggy", "every step (plugins)"),
-    ("sympy", "sympy", "every step (math rewards)"),
-    ("matplotlib", "matplotlib", "rlctl.ops plots"),
+    ("sympy", "sympy", "rewards (symbolic grader)"),
+    ("matplotlib", "matplotlib", "rlctl.ops plots (a dependency)"),
     ("pytest", "pytest", "gpu tests"),
-    ("hypothesis", "hypothesis", "gpu tests (tests.unit helpers)"),
-    ("accelerate", "accelerate", "TRL step time"),
-    ("datasets", "datasets", "TRL step time"),
-    ("trl", "trl", "TRL step time"),
+    ("hypothesis", "hypothesis", "gpu tests (tests.unit.test_colocate)"),
+    ("accelerate", "accelerate", OPTIONAL_STEP),
+    ("datasets", "datasets", OPTIONAL_STEP),
+    ("trl", "trl", OPTIONAL_STEP),
     ("rlctl.cli.app", "rlctl", "quickstart"),
+    ("rlctl.engine.session", "rlctl", "every step"),
+    ("rlctl.ops.dryrun", "rlctl", "fsdp ledger"),
+    ("rlctl_local_engine.engine", "rlctl", "every step"),
     ("rlctl_fsdp_learner.learner", "rlctl", "gpu tests, fsdp ledger"),
+    ("tests.unit.test_bf16", "rlctl", "gpu tests (imported inside them)"),
+    ("tests.unit.test_fsdp_checkpoint", "rlctl", "gpu tests (imported inside them)"),
+    ("tests.unit.test_colocate", "rlctl", "gpu tests (imported inside them)"),
 )
 
 
@@ -84,14 +95,13 @@ class Plan:
     problems: list[str] = field(default_factory=list)
 
 
-def rlctl_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requirement]:
+def rlctl_requirements(pyproject: Path = REPO / "pyproject.toml") -> tuple[list[Requirement], list[Requirement]]:
+    """(core, bench): pyproject's dependencies plus the test runner, and the bench extra."""
     import tomllib
 
     project = tomllib.loads(pyproject.read_text())["project"]
-    specs = list(project["dependencies"])
-    for extra in EXTRAS:
-        specs += project["optional-dependencies"][extra]
-    return [Requirement(s) for s in (*specs, *TEST_RUNNER)]
+    core = [Requirement(s) for s in (*project["dependencies"], *TEST_RUNNER)]
+    return core, [Requirement(s) for s in project["optional-dependencies"][EXTRA]]
 
 
 def read_wheels(folder: Path) -> dict[str, Wheel]:
@@ -143,7 +153,7 @@ def plan(requirements: list[Requirement], wheels: dict[str, Wheel],
     for name, reqs in needs.items():
         wheel, have = out.wheels.get(name), installed(name)
         used = wheel.version if wheel is not None else have
-        spec = ",".join(sorted({str(r.specifier) for r, _ in reqs if str(r.specifier)})) or "any"
+        spec = str(SpecifierSet(",".join(str(r.specifier) for r, _ in reqs if str(r.specifier)))) or "any"
         source = wheel.path.name if wheel is not None else "image"
         out.rows[name] = (spec, str(used) if used is not None else "-", source if used is not None else "MISSING")
         for req, by in reqs:
@@ -161,7 +171,7 @@ def _problem(name: str, req: Requirement, by: str, have: Version | None, wheel: 
 
 
 def print_plan(result: Plan) -> None:
-    print(f"{'distribution':<22}{'rlctl needs':<26}{'version':<12}source")
+    print(f"{'distribution':<22}{'required':<26}{'version':<12}source")
     for name, (spec, version, source) in sorted(result.rows.items()):
         print(f"{name:<22}{spec[:25]:<26}{version:<12}{source}")
     for name, why in OPTIONAL.items():
@@ -184,23 +194,32 @@ def _run(cmd: list[str]) -> None:
         raise PrepareError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def check_imports(imports: tuple[tuple[str, str, str], ...] = IMPORTS) -> list[str]:
-    """Import each module; print its distribution's version and folder; return one line per failure."""
+def check_imports(imports: tuple[tuple[str, str, str], ...] = IMPORTS) -> tuple[list[str], list[str]]:
+    """Import each module and print its version and origin (image, site = a wheel from .whl/, repo);
+    return (failures, warnings): one line each, a module of OPTIONAL_STEP only warns."""
     import importlib
 
-    failures = []
-    print(f"{'module':<30}{'version':<16}{'from':<48}needed by")
+    failures, warnings = [], []
+    print(f"{'module':<34}{'version':<16}{'from':<8}needed by")
     for module, dist, step in imports:
         try:
             mod = importlib.import_module(module)
         except Exception as err:  # noqa: BLE001 - any import failure is the finding
             missing = getattr(err, "name", None) or module
-            failures.append(f"{module}: {type(err).__name__}: {err} (missing: {missing}; needed by {step})")
-            print(f"{module:<30}{'FAILED':<16}{missing:<48}{step}")
+            line = f"{module}: {type(err).__name__}: {err} (missing: {missing}; needed by {step})"
+            (warnings if step == OPTIONAL_STEP else failures).append(line)
+            print(f"{module:<34}{'FAILED':<16}{'-':<8}{step} (missing: {missing})")
             continue
-        where = str(Path(getattr(mod, "__file__", None) or "?").parent)
-        print(f"{module:<30}{str(image_version(dist) or '?'):<16}{where[-47:]:<48}{step}")
-    return failures + _check_plugins()
+        print(f"{module:<34}{str(image_version(dist) or '?'):<16}{_origin(mod):<8}{step}")
+    return failures + _check_plugins(), warnings
+
+
+def _origin(module: object) -> str:
+    path = Path(getattr(module, "__file__", None) or "/").resolve()
+    if path.is_relative_to(REPO):
+        return "repo"
+    extra = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return "site" if any(path.is_relative_to(p) for p in extra) else "image"
 
 
 def _check_plugins() -> list[str]:
@@ -215,31 +234,58 @@ def _check_plugins() -> list[str]:
     return []
 
 
+def cuda_device() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False); "
+              "tests/gpu/run.sh needs one CUDA GPU")
+        return 3
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("verb", choices=("plan", "install", "check"))
+    p.add_argument("verb", choices=("plan", "install", "check", "cuda"))
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="Folder of wheels (scripts/gpu_wheels.sh).")
     p.add_argument("--site", type=Path, help="Target folder for install (then PYTHONPATH=REPO:REPO/plugins:SITE).")
     args = p.parse_args(argv)
+    if args.verb == "cuda":
+        return cuda_device()
     try:
         if args.verb == "check":
-            failures = check_imports()
+            failures, warnings = check_imports()
+            for line in warnings:
+                print(f"import check: {OPTIONAL_STEP} will fail: {line}", file=sys.stderr)
             for line in failures:
                 print(f"import check failed: {line}", file=sys.stderr)
             return 2 if failures else 0
-        result = plan(rlctl_requirements(), read_wheels(args.wheels))
-        print_plan(result)
-        if result.problems:
-            raise PrepareError("\n".join(["requirements neither the image nor .whl/ meets:", *result.problems]))
+        chosen = choose(*rlctl_requirements(), read_wheels(args.wheels))
         if args.verb == "install":
             if args.site is None:
                 raise PrepareError("install needs --site DIR")
-            install(result, args.site)
-            print(f"installed {len(result.wheels)} wheels and rlctl (editable) into {args.site}")
+            install(chosen, args.site)
+            print(f"installed {len(chosen.wheels)} wheels and rlctl (editable) into {args.site}")
     except PrepareError as err:
         print(f"prepare.py {args.verb}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def choose(core: list[Requirement], bench: list[Requirement], wheels: dict[str, Wheel],
+           installed: Callable[[str], Version | None] = image_version) -> Plan:
+    """The plan for core and bench together if it holds, else the core plan (the TRL step is then left out);
+    a core requirement nobody meets raises."""
+    alone, full = plan(core, wheels, installed), plan(core + bench, wheels, installed)
+    chosen = full if not full.problems else alone
+    print_plan(chosen)
+    if alone.problems:
+        empty = [] if wheels else [".whl/ holds no wheels: run `bash scripts/gpu_wheels.sh` here and carry .whl"]
+        raise PrepareError("\n".join(["requirements neither the image nor .whl/ meets:", *alone.problems, *empty]))
+    for line in full.problems:
+        print(f"prepare.py: TRL left out ({OPTIONAL_STEP} will fail): {line}", file=sys.stderr)
+    return chosen
 
 
 if __name__ == "__main__":
