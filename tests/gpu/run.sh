@@ -34,6 +34,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBO
 export RLCTL_HOME=${RLCTL_HOME:-$WORK/home}
 mkdir -p "$OUT" "$WORK"
 rm -rf "$WORK/site" "$WORK/quickstart"
+rm -f "$OUT"/{setup,pytest,quickstart,fsdp_ledger,trl_step_time,summary}.txt "$OUT/quickstart.json"
 
 STEPS=(setup:20 imports:45 cuda:15 pytest:150 quickstart:110 fsdp_ledger:100 trl_step_time:100)
 ROWS=()

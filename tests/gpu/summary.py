@@ -57,7 +57,7 @@ def quickstart(out: Path) -> str:
         return ""
     metrics = data.get("last_metrics") or {}
     shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in ("reward_mean", "loss", "step_time_s") if k in metrics)
-    return f"run {data['run']['status']}, wall {data.get('wall_s', 0):.1f} s; last step: {shown}"
+    return f"run {(data.get('run') or {}).get('status')}, wall {data.get('wall_s') or 0:.1f} s; last step: {shown}"
 
 
 def fsdp_ledger(out: Path) -> str:
