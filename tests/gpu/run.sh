@@ -14,7 +14,9 @@
 #   pytest      150  pytest -m gpu tests/gpu: cuda placement and fp32 reconciliation, bf16 with fp32 optimizer
 #                    state, FSDP2 over NCCL (train, sharded checkpoint, reload, export), an FSDP2 rank as a Ray
 #                    actor (skips: ray does not travel), a colocated engine's KV budget and weight offload;
-#   quickstart  110  the quickstart on cuda, 3 steps of its config, one seed;
+#   quickstart  110  the quickstart on cuda, 3 steps of its config, one seed, the final eval; its warm start (SFT
+#                    of the built-in tiny model, on the CPU whatever the device) capped at 300 steps: to its
+#                    accuracy target it took 1,400 steps, 2 min 50 s on one thread here, over the budget;
 #   fsdp_ledger 100  a ~0.5B Qwen2-shaped model (494M parameters, random weights), 5 GRPO steps with the fsdp2
 #                    learner (world_size 1, bf16 + fp32 master shards): step time, peak of
 #                    torch.cuda.max_memory_allocated, dry-run ledger vs the allocator per role (bench/fsdp_ledger.py);
@@ -71,7 +73,8 @@ run_step "$OUT/pytest.txt" "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovid
 # stdout (the JSON summary) to quickstart.json; stderr to quickstart.txt and the console
 run_step "$OUT/quickstart.txt" bash -c 'exec "$@" > "$0"' "$OUT/quickstart.json" \
     "$PY" -m rlctl.cli.app train configs/quickstart.yaml train.device=cuda rollout.options.device=cuda \
-    train.seeds=1 train.steps=3 --run-dir "$WORK/quickstart" --json || failed=1
+    train.seeds=1 train.steps=3 model.warm_start.steps=300 model.warm_start.target_dev_accuracy=null \
+    --run-dir "$WORK/quickstart" --json || failed=1
 
 SHAPE=(--shape qwen2-0.5b --vocab qwen --prompts 8 --group 4 --max-tokens 64 --models "$WORK/models")
 run_step "$OUT/fsdp_ledger.txt" "$PY" bench/fsdp_ledger.py --device cuda "${SHAPE[@]}" --steps 5 \

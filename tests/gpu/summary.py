@@ -56,13 +56,14 @@ def quickstart(out: Path) -> str:
     except json.JSONDecodeError:
         return ""
     metrics = data.get("last_metrics") or {}
-    shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in ("reward_mean", "loss", "step_time_s") if k in metrics)
+    shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in ("reward_mean", "loss", "step_time_s", "logprob_mismatch_max")
+                      if k in metrics)
     return f"run {(data.get('run') or {}).get('status')}, wall {data.get('wall_s') or 0:.1f} s; last step: {shown}"
 
 
 def fsdp_ledger(out: Path) -> str:
     text = _text(out, "fsdp_ledger.txt")
-    step, peak = _last(r"^step time: median (\S+ s)", text), _last(r"^peak memory \([^)]*\): (.*)$", text)
+    step, peak = _last(r"^step time: median (\S+ s)", text), _last(r"^peak memory .*\): (\S.*)$", text)
     ratios = {m[1]: m[2] for m in re.finditer(r"^(rollout|train|sync) .* (\d+\.\d+)$", text, re.M)}
     parts = [f"step {step[1]} median" if step else "", f"peak {peak[1]}" if peak else "",
              "ledger/measured " + ", ".join(f"{k} {v}" for k, v in ratios.items()) if ratios else ""]
