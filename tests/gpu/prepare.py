@@ -234,6 +234,21 @@ def _check_plugins() -> list[str]:
     return []
 
 
+def choose(core: list[Requirement], bench: list[Requirement], wheels: dict[str, Wheel],
+           installed: Callable[[str], Version | None] = image_version) -> Plan:
+    """The plan for core and bench together if it holds, else the core plan (the TRL step is then left out);
+    a core requirement nobody meets raises."""
+    alone, full = plan(core, wheels, installed), plan(core + bench, wheels, installed)
+    chosen = full if not full.problems else alone
+    print_plan(chosen)
+    if alone.problems:
+        empty = [] if wheels else [".whl/ holds no wheels: run `bash scripts/gpu_wheels.sh` here and carry .whl"]
+        raise PrepareError("\n".join(["requirements neither the image nor .whl/ meets:", *alone.problems, *empty]))
+    for line in full.problems:
+        print(f"prepare.py: TRL left out ({OPTIONAL_STEP} will fail): {line}", file=sys.stderr)
+    return chosen
+
+
 def cuda_device() -> int:
     import torch
 
@@ -271,21 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare.py {args.verb}: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-def choose(core: list[Requirement], bench: list[Requirement], wheels: dict[str, Wheel],
-           installed: Callable[[str], Version | None] = image_version) -> Plan:
-    """The plan for core and bench together if it holds, else the core plan (the TRL step is then left out);
-    a core requirement nobody meets raises."""
-    alone, full = plan(core, wheels, installed), plan(core + bench, wheels, installed)
-    chosen = full if not full.problems else alone
-    print_plan(chosen)
-    if alone.problems:
-        empty = [] if wheels else [".whl/ holds no wheels: run `bash scripts/gpu_wheels.sh` here and carry .whl"]
-        raise PrepareError("\n".join(["requirements neither the image nor .whl/ meets:", *alone.problems, *empty]))
-    for line in full.problems:
-        print(f"prepare.py: TRL left out ({OPTIONAL_STEP} will fail): {line}", file=sys.stderr)
-    return chosen
 
 
 if __name__ == "__main__":
