@@ -37,6 +37,8 @@ from _setup import REPO  # noqa: E402  (one thread, offline; must precede torch)
 
 import torch  # noqa: E402
 
+from rlctl.models.compat import kv_cache_name  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,7 +101,8 @@ def shared_prompt_step(model: Any, opt: Any, trajectories: list[Any], group: int
         p_ids[i, width - len(p):], p_mask[i, width - len(p):] = torch.tensor(p), 1
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    kv = kv_cache_name()  # "cache", or "past_key_values" before transformers renamed it
+    cache = getattr(out, kv)
     cache.batch_repeat_interleave(group)
     rlen = max(len(t.response_tokens) for t in trajectories)
     n = len(trajectories)
@@ -112,7 +115,7 @@ def shared_prompt_step(model: Any, opt: Any, trajectories: list[Any], group: int
         old[i, : len(t.behavior_logprobs)] = torch.tensor(t.behavior_logprobs)
     attn = torch.cat([p_mask.repeat_interleave(group, 0), torch.ones((n, rlen), dtype=torch.long)], dim=1)
     r_pos = p_pos[:, -1:].repeat_interleave(group, 0) + 1 + torch.arange(rlen)[None]
-    r_out = model(input_ids=r_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=r_pos[:, :-1], cache=cache)
+    r_out = model(input_ids=r_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=r_pos[:, :-1], **{kv: cache})
     logits = torch.cat([out.logits[:, -1:].repeat_interleave(group, 0), r_out.logits], dim=1).float()  # [N, R, V]
     logp = torch.log_softmax(logits, -1).gather(-1, r_ids[..., None]).squeeze(-1)  # [N, R]
     adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)])[:, None]

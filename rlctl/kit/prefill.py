@@ -17,6 +17,7 @@ import torch
 
 from rlctl.algo import entropy_from_logits, process_logits, token_logprobs
 from rlctl.contracts.batch import TrainBatch
+from rlctl.models.compat import kv_cache_name
 
 
 def prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
@@ -48,7 +49,8 @@ def prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [u, Lp]
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1][rows]  # [n, V]: predicts each row's first response token
-    cache = out.cache
+    kv = kv_cache_name()  # transformers renamed past_key_values to cache (5.17 -> 5.24)
+    cache = getattr(out, kv)
     cache.batch_select_indices(rows)
     rlen = ends - starts  # [n]
     width_r = int(rlen.max())
@@ -60,8 +62,8 @@ def prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     if width_r > 1:
         full_mask = torch.cat([p_mask[rows], valid[:, :-1].long()], dim=1)  # [n, Lp + R - 1]
         positions = p_pos[rows, -1:] + 1 + offsets[None, : width_r - 1]  # [n, R-1]
-        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, cache=cache,
-                     use_cache=True).logits  # [n, R-1, V]
+        more = model(input_ids=resp[:, :-1], attention_mask=full_mask, position_ids=positions, use_cache=True,
+                     **{kv: cache}).logits  # [n, R-1, V]
         logits = torch.cat([logits, more], dim=1)  # [n, R, V]
     s = batch.sampling
     lp = torch.where(valid, token_logprobs(logits, resp, s.temperature, s.top_k, s.top_p), 0.0)  # [n, R]

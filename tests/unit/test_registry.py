@@ -35,6 +35,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'home' / 'registry.db'}"
         return
+    pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
     schema = f"t_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(PG_BASE, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

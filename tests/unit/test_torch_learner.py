@@ -31,7 +31,7 @@ def batch(session):
     return rollout_batch(session, advantages=advantages)[1]
 
 
-def learner(session, lr: float = 1e-3, dtype: str = "float32", **algo):
+def learner(session, lr: float = 1e-3, dtype: str = "float32", share_prompt_prefill: bool = True, **algo):
     from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     cfg = session.config
@@ -42,7 +42,7 @@ def learner(session, lr: float = 1e-3, dtype: str = "float32", **algo):
     ctx = LearnerContext(model_dir=str(session.policy_dir), algo=a,
                          optim=cfg.train.optim.model_copy(update={"lr": lr, "grad_clip": 1e6}), seed=0,
                          max_response_tokens=cfg.rollout.max_tokens, deterministic=True)
-    return TorchLearner(ctx, TorchLearnerOptions(dtype=dtype))
+    return TorchLearner(ctx, TorchLearnerOptions(dtype=dtype, share_prompt_prefill=share_prompt_prefill))
 
 
 def grads(lrn) -> dict[str, torch.Tensor]:
@@ -187,3 +187,26 @@ def test_train_step_with_logprobs_returns_the_pre_update_pass_and_the_same_updat
     p1, p2 = params(plain), params(capturing)
     for name in p1:
         torch.testing.assert_close(p2[name], p1[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_shared_prompt_prefill_gives_the_plain_forwards_logprobs_entropies_and_gradients(session, batch):
+    """Each distinct prompt forwarded once, its KV cache reused for its G responses: the same numbers as one
+    forward per row, under whichever transformers is installed (the cache's argument and output field are
+    ``past_key_values`` in 5.17 and ``cache`` in 5.24: rlctl.models.compat)."""
+    from rlctl.kit.prefill import prefix_shared_logprobs as _prefix_shared_logprobs
+
+    shared = learner(session, micro_batch_size=16)
+    plain = learner(session, micro_batch_size=16, share_prompt_prefill=False)
+    on = batch.action_mask > 0
+    with torch.no_grad():
+        got = _prefix_shared_logprobs(shared.model, batch, with_entropy=True)
+        want = plain._logprobs(plain.model, batch, True)
+    assert got is not None  # 4 prompts x 4 samples: the shared path ran
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g * on, w * on, rtol=1e-5, atol=1e-5)
+    shared.train_step(batch)
+    plain.train_step(batch)
+    g1, g2 = grads(plain), grads(shared)
+    assert g1.keys() == g2.keys() and g1
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
