@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlctl.placement import place
     from rlctl.hooks.manager import load_plugins
     from rlctl.planning import dryrun as d
+    from rlctl.planning import meter as m
     from rlctl.planning.memory import Placement, ledger
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -87,10 +88,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_for(args, model_dir)
     plugins = load_plugins()
     placement = place(config, plugins, cache_root=Path(args.home) / "cache")
-    meter = d.make_meter(placement.roles)
+    meter = m.make_meter(placement.roles)
     session = replace(placement.roles,
-                      rollout=d._Phased(placement.roles.rollout, meter, {"generate": "rollout", "update_weights": "sync"}),
-                      learner=d._Phased(placement.roles.learner, meter, {
+                      rollout=m.Phased(placement.roles.rollout, meter, {"generate": "rollout", "update_weights": "sync"}),
+                      learner=m.Phased(placement.roles.learner, meter, {
                           "train_step": "train", "train_step_with_logprobs": "train", "export_weights": "sync",
                           "ref_logprobs": "train"}))
     times: list[float] = []
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the meter resets the CUDA peak at each phase's start: the run's peak is the largest phase peak (or what
         # came after the last phase, within the same step)
         peak = (max([int(torch.cuda.max_memory_allocated()), *meter.peaks.values()]) if args.device == "cuda"
-                else d.rss_peak_bytes())
+                else m.rss_peak_bytes())
     finally:
         placement.close()
     # the ledger at the lengths the steps really produced, allocator bytes (as the smoke step checks it)

@@ -17,9 +17,7 @@ from rlctl.contracts.errors import (
     RunbookError,
 )
 from rlctl.contracts.types import (
-    CheckpointManifest,
     CriticContext,
-    LearnerState,
     PolicyLoss,
     PromptRecord,
     RewardResult,
@@ -32,6 +30,7 @@ from rlctl.contracts.types import (
     WeightManifest,
     WeightUpdate,
 )
+from rlctl.contracts.checkpoints import CheckpointManifest, LearnerState
 from rlctl.contracts.batch import AdvantageInputs
 from rlctl.hooks.hookspecs import hookimpl
 

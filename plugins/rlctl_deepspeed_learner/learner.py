@@ -52,7 +52,8 @@ from typing import Any, Mapping
 import torch
 
 from rlctl import CheckpointError
-from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.checkpoints import LearnerState
 from rlctl.kit import (
     RankGroup, ShardedCheckpoints, TorchLearner, TorchLearnerOptions, check_same_model, sharded_state, shards,
 )

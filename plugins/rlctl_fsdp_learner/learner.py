@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from rlctl import ConfigError
-from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.checkpoints import LearnerState
 from rlctl.kit import (
     RankGroup, ShardedCheckpoints, TorchLearner, TorchLearnerOptions, check_same_model, local_shard, sharded_state,
     shards,

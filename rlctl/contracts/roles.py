@@ -18,10 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from rlctl.contracts.types import (
-    CheckpointManifest,
-    CheckpointState,
     LearnerMemory,
-    LearnerState,
     RewardResult,
     RolloutMemory,
     RolloutRequest,
@@ -29,6 +26,7 @@ from rlctl.contracts.types import (
     Trajectory,
     WeightUpdate,
 )
+from rlctl.contracts.checkpoints import CheckpointManifest, CheckpointState, LearnerState
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor

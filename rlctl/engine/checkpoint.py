@@ -53,37 +53,28 @@ from it (rlctl.engine.snapshot), or the registry (the caller passes callbacks).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.types import (
-    CheckpointFile,
-    CheckpointManifest,
-    CheckpointState,
-    LearnerState,
-    SamplingConfig,
-    ShadowBatch,
+from rlctl.contracts.checkpoints import CheckpointManifest, CheckpointState
+from rlctl.engine.checkpoint_files import (
+    SHARDS, file_problem, payload, read_state, shard_files, write_bytes, write_file,
 )
-from rlctl.engine import state_codec
 from rlctl.storage.durable import fsync_path, write_dir_durably
 from rlctl.engine.faults import crash_point, fault_site
 
 COMMITTED = "COMMITTED"
 _TMP_MANIFEST = "COMMITTED.tmp"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
-STATE_FORMAT = 1
 REQUIRED_FILES = ("model/model.safetensors", "model/config.json", "optimizer.safetensors", "state.safetensors",
                   "state.json", "shadow.safetensors")
-SHARDS = "shards"  # a sharded learner's directory inside a checkpoint
 SHARDED_REQUIRED_FILES = tuple(f for f in REQUIRED_FILES if f != "model/model.safetensors")
 FALLBACK_HINT = "a resume falls back to the previous committed checkpoint"
 
@@ -213,10 +204,10 @@ class DiskCheckpointStore:
             if target.exists() and shards is None:  # a partial directory left by a killed save: never read
                 shutil.rmtree(target)
             (target / "model").mkdir(parents=True)
-            files = [] if shards is None else _shard_files(target)
-            for rel, data in _payload(state):
+            files = [] if shards is None else shard_files(target)
+            for rel, data in payload(state):
                 self._check_abort()
-                files.append(_write_file(target, rel, data))
+                files.append(write_file(target, rel, data))
             for directory in (target / "model", *([target / SHARDS] if shards else []), target, self.root):
                 fsync_path(directory)
             manifest = CheckpointManifest(
@@ -226,7 +217,7 @@ class DiskCheckpointStore:
                 metrics={k: float(v) for k, v in state.metrics.items()},
             )
             self._check_abort()
-            _write_bytes(target / _TMP_MANIFEST, manifest.to_json().encode())
+            write_bytes(target / _TMP_MANIFEST, manifest.to_json().encode())
             crash_point("ckpt.manifest_tmp")
             os.rename(target / _TMP_MANIFEST, target / COMMITTED)
             committed = True
@@ -398,7 +389,7 @@ def verify(path: str | Path) -> CheckpointManifest:
     """Check the manifest and every file's size and sha256; CheckpointError names every bad file."""
     path = Path(path)
     manifest = read_manifest(path)
-    problems = [p for f in manifest.files if (p := _file_problem(path, f)) is not None]
+    problems = [p for f in manifest.files if (p := file_problem(path, f)) is not None]
     if problems:
         raise CheckpointError(f"{path.name}: {'; '.join(problems)}", FALLBACK_HINT)
     return manifest
@@ -409,7 +400,7 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
     path = Path(path)
     manifest = verify(path)
     try:
-        return _read_state(path, manifest)
+        return read_state(path, manifest)
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(f"{path.name}: verifies but cannot be read ({type(err).__name__}: {err})",
                               FALLBACK_HINT) from err
@@ -428,169 +419,13 @@ def export_hf(path: str | Path, target: str | Path) -> Path:
                 data = (path / f.path).read_bytes()
                 if hashlib.sha256(data).hexdigest() != f.sha256:
                     raise CheckpointError(f"{f.path} changed while exporting", "retry the export")
-                _write_bytes(tmp / f.path[len("model/"):], data)
+                write_bytes(tmp / f.path[len("model/"):], data)
         if any(f.path.startswith(SHARDS + "/") for f in manifest.files):  # consolidate the ranks' pieces
             from safetensors.torch import save
 
             from rlctl.engine.shards import read_full_model
 
-            _write_bytes(tmp / "model.safetensors", save(read_full_model(path / SHARDS), metadata={"format": "pt"}))
+            write_bytes(tmp / "model.safetensors", save(read_full_model(path / SHARDS), metadata={"format": "pt"}))
 
     write_dir_durably(target, fill)
     return target
-
-
-# -- file format -------------------------------------------------------------------
-
-
-def _payload(state: CheckpointState) -> Iterator[tuple[str, bytes]]:
-    """``(relative path, bytes)`` of every file, produced one at a time to bound memory."""
-    from safetensors.torch import save
-
-    from rlctl.models.tokenizer import TOKENIZER_FILES
-
-    learner = state.learner
-    if learner.shard_dir is None:
-        yield "model/model.safetensors", save(dict(learner.weights), metadata={"format": "pt"})
-    for name, text in sorted(learner.model_files.items()):
-        yield f"model/{name}", text.encode()
-    for name in TOKENIZER_FILES:
-        source = Path(state.tokenizer_dir) / name
-        if source.is_file():
-            yield f"model/{name}", source.read_bytes()
-    optimizer_tensors: dict[str, Any] = {}
-    optimizer = state_codec.encode(learner.optimizer, "optimizer", optimizer_tensors)
-    yield "optimizer.safetensors", save(optimizer_tensors)
-    tensors: dict[str, Any] = {}
-    body = {
-        "format": STATE_FORMAT, "step": state.step, "run_id": state.run_id, "config": state.config,
-        "config_hash": state.config_hash, "code_version": state.code_version,
-        "dataset_version": state.dataset_version, "tokenizer_hash": state.tokenizer_hash,
-        "learner": {
-            "policy_version": learner.policy_version, "model_files": sorted(learner.model_files),
-            "optimizer": optimizer, "scheduler": state_codec.encode(learner.scheduler, "scheduler", tensors),
-            "grad_scaler": state_codec.encode(learner.grad_scaler, "grad_scaler", tensors),
-            "rng": state_codec.encode(learner.rng, "learner_rng", tensors), "counters": dict(learner.counters),
-            "sharded": learner.shard_dir is not None,
-        },
-        "rollout": state_codec.encode(state.rollout, "rollout", tensors),
-        "critic": state_codec.encode(state.critic, "critic", tensors),
-        "cursor": dict(state.cursor), "rng": state_codec.encode(state.rng, "rng", tensors),
-        "shadow": {"sampling": dataclasses.asdict(state.shadow.sampling)}, "metrics": dict(state.metrics),
-        "queue": None if state.queue is None else dict(state.queue),
-    }
-    yield "state.safetensors", save(tensors)
-    yield "state.json", json.dumps(body, sort_keys=True, indent=1).encode()
-    shadow = state.shadow
-    yield "shadow.safetensors", save({"input_ids": shadow.input_ids, "attention_mask": shadow.attention_mask,
-                                      "action_mask": shadow.action_mask, "logprobs": shadow.logprobs})
-
-
-def _read_state(path: Path, manifest: CheckpointManifest) -> CheckpointState:
-    from safetensors.torch import load_file
-
-    body = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    if body.get("format") != STATE_FORMAT:
-        raise ValueError(f"state.json has format {body.get('format')!r}, expected {STATE_FORMAT}")
-    tensors = {**load_file(path / "optimizer.safetensors"), **load_file(path / "state.safetensors")}
-    lrn = body["learner"]
-    sharded = bool(lrn.get("sharded", False))
-    if sharded != any(f.path.startswith(SHARDS + "/") for f in manifest.files):
-        raise ValueError(f"state.json says sharded={sharded} but the manifest lists "
-                         f"{'no' if sharded else 'some'} {SHARDS}/ files")
-    learner = LearnerState(
-        policy_version=int(lrn["policy_version"]),
-        weights={} if sharded else load_file(path / "model" / "model.safetensors"),
-        shard_dir=str(path / SHARDS) if sharded else None,
-        model_files={name: (path / "model" / name).read_text(encoding="utf-8") for name in lrn["model_files"]},
-        optimizer=state_codec.decode(lrn["optimizer"], tensors),
-        scheduler=state_codec.decode(lrn["scheduler"], tensors),
-        grad_scaler=state_codec.decode(lrn["grad_scaler"], tensors),
-        rng=state_codec.decode(lrn["rng"], tensors), counters=lrn["counters"],
-    )
-    shadow = load_file(path / "shadow.safetensors")
-    sampling = dict(body["shadow"]["sampling"], stop=tuple(body["shadow"]["sampling"]["stop"]))
-    return CheckpointState(
-        step=int(body["step"]), learner=learner, rollout=state_codec.decode(body["rollout"], tensors),
-        cursor=body["cursor"], rng=state_codec.decode(body["rng"], tensors),
-        shadow=ShadowBatch(input_ids=shadow["input_ids"], attention_mask=shadow["attention_mask"],
-                           action_mask=shadow["action_mask"], logprobs=shadow["logprobs"],
-                           sampling=SamplingConfig(**sampling)),
-        run_id=body["run_id"], config=body["config"], config_hash=body["config_hash"],
-        code_version=body["code_version"], dataset_version=body["dataset_version"],
-        tokenizer_hash=body["tokenizer_hash"], tokenizer_dir=str(path / "model"), metrics=body["metrics"],
-        critic=state_codec.decode(body.get("critic"), tensors),  # absent in checkpoints from before critics
-        queue=body.get("queue"),
-    )
-
-
-# -- durable file operations -----------------------------------------------------
-
-
-def _write_file(root: Path, rel: str, data: bytes) -> CheckpointFile:
-    """Write, fsync, read back and compare: the file is exactly ``data`` on disk."""
-    digest = hashlib.sha256(data).hexdigest()
-    path = root / rel
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        half = len(view) // 2
-        _write_all(fd, view[:half])
-        crash_point("ckpt.file_partial", rel)
-        _write_all(fd, view[half:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    crash_point("ckpt.file_written", rel)
-    if _sha256_file(path) != digest:
-        raise OSError(f"{rel} reads back differently from what was written")
-    return CheckpointFile(path=rel, sha256=digest, num_bytes=len(data))
-
-
-def _shard_files(target: Path) -> list[CheckpointFile]:
-    """The files a sharded learner's ranks wrote into ``target/shards``: fsynced, sized and checksummed."""
-    found = sorted(p for p in (target / SHARDS).rglob("*") if p.is_file())
-    if not found:
-        raise ValueError(f"the learner wrote no shard files into {target / SHARDS}")
-    out = []
-    for path in found:
-        fsync_path(path)
-        rel = path.relative_to(target).as_posix()
-        crash_point("ckpt.file_written", rel)
-        out.append(CheckpointFile(path=rel, sha256=_sha256_file(path), num_bytes=path.stat().st_size))
-    return out
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, memoryview(data))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
-
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _file_problem(root: Path, f: CheckpointFile) -> str | None:
-    path = root / f.path
-    if not path.is_file():
-        return f"{f.path}: missing"
-    size = path.stat().st_size
-    if size != f.num_bytes:
-        return f"{f.path}: {size} bytes but the manifest says {f.num_bytes} (truncated or overwritten)"
-    if _sha256_file(path) != f.sha256:
-        return f"{f.path}: sha256 mismatch (corrupted)"
-    return None

@@ -7,16 +7,10 @@ loses at most un-acknowledged groups. Reopening the queue replays the log,
 drops duplicate group ids and cuts a torn last record.
 
 Log format (chosen over SQLite WAL so that torn-tail handling is explicit and
-testable byte by byte): append-only segment files ``seg-<first seq>.log``,
-each a sequence of records::
-
-    b"RLQ1" | u32 payload length | u32 crc32(payload) | payload (JSON of one group)
-
-A record that does not fit before end of file, or whose CRC fails and that is
-the last thing in the newest segment, is a torn tail: it was never
-acknowledged, so recovery truncates it. Anything else that fails to parse is
-corruption of acknowledged data and stops with ``QueueCorruptError`` naming
-the file and byte offset (nothing is skipped silently).
+testable byte by byte): append-only, CRC-framed segment files; a torn last
+record (never acknowledged) is truncated on recovery, anything else that fails
+to parse stops with ``QueueCorruptError`` naming the file and byte offset
+(nothing is skipped silently). The format is rlctl.engine.queue_log.
 
 Consumption is not written to the log: the learner owns it. ``cursor()`` is a
 small JSON value (every group below a sequence watermark, plus the few above
@@ -27,26 +21,20 @@ it never are.
 
 Resolution by draw key: a learner step of the in-order modes takes the
 groups of draw keys below ``key_below`` and may return short only once every
-key below it is resolved, meaning taken or dropped by a take (or compacted
-away, which happens only below a checkpoint's cursor). A key that no producer
-has reserved yet, one reserved or handed back but not put, and one whose group
-is pending are all unresolved, so a take never mistakes "not drawn yet" for
-"done". The resolved keys are not stored: they follow from the log and the
-cursor, so ``restore_cursor`` rebuilds them.
+key below it is resolved (taken, dropped, or compacted away below a
+checkpoint's cursor); a key not reserved yet, reserved but not put, or pending
+is unresolved, so a take never mistakes "not drawn yet" for "done". Resolved
+keys follow from the log and the cursor, so ``restore_cursor`` rebuilds them.
 
 Back-pressure: a producer ``reserve``s a slot (with the group's draw key)
 before generating; reservations plus buffered groups never exceed
-``capacity``, and a key more than ``max_ahead`` batches ahead of the learner's
-position waits. The position is what the driver sets
-(``set_version``: the policy version in async, whose bound counts versions;
-the step count in the in-order modes, whose ``key_below`` counts steps too).
-While the learner waits in ``take``, the batch of the lowest unresolved draw
-key is admissible too: it is generated at the current version for the step
-that waits for it, so it is fresh when trained, and the window can never
-close on a learner whose version stood still (steps without an update, such
-as critic warm-up steps or steps without signal) or whose groups were dropped. ``put`` of an
-unreserved group blocks (or, with ``block=False``, raises ``QueueFull``) while
-the queue is full.
+``capacity``, and a key more than ``max_ahead`` batches ahead of the position
+the driver sets (``set_version``: the policy version in async, the step count
+in the in-order modes) waits -- except the batch a waiting ``take`` needs:
+generated now for the step that waits, it is fresh when trained, so the
+window never closes on a learner whose version stood still or whose groups
+were dropped. ``put`` of an unreserved group blocks (``block=False``: raises
+``QueueFull``) while the queue is full.
 
 Compaction: ``compact(below_seq)`` deletes whole segments below the oldest
 kept checkpoint's watermark (the overlapped driver calls it after a checkpoint
@@ -58,101 +46,22 @@ What this is not: scheduling (rlctl.engine.overlap, rlctl.engine.producers) or p
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import time
-import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from rlctl.contracts.errors import RlctlError
-from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.engine.queue_log import (
+    Compacted, Group, QueueCorruptError, QueueError, QueueFull, QueueTimeout, compact_segments, encode_record,
+    read_groups, scan_segment, segment_start, trajectory_from_dict, trajectory_to_dict, truncate_tail,
+)
 from rlctl.storage.durable import fsync_path
 
-MAGIC = b"RLQ1"
-_HEADER = struct.Struct("<4sII")  # magic, payload length, crc32
-MAX_RECORD_BYTES = 256 << 20  # a length above this is not a record: corruption, never a 4 GiB allocation
 DROP_REASONS = ("stale", "ttl", "orphaned")
-
-
-class QueueError(RlctlError):
-    """The trajectory queue cannot be used as asked."""
-
-
-class QueueCorruptError(QueueError):
-    """An acknowledged record of the write-ahead log is damaged."""
-
-
-class QueueFull(QueueError):
-    """A non-blocking put or reserve found the queue at capacity."""
-
-
-class QueueTimeout(QueueError):
-    """A blocking call waited longer than its timeout."""
-
-
-# -- trajectories as JSON ---------------------------------------------------------
-
-
-def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
-    body = asdict(t)
-    body["terminal_reason"] = t.terminal_reason.value
-    body["reward_components"] = dict(t.reward_components)
-    return body
-
-
-def trajectory_from_dict(body: Mapping[str, Any]) -> Trajectory:
-    values = dict(body)
-    values["sampling_config"] = SamplingConfig(**{**values["sampling_config"],
-                                                  "stop": tuple(values["sampling_config"].get("stop", ()))})
-    values["terminal_reason"] = TerminalReason(values["terminal_reason"])
-    for key in ("prompt_tokens", "response_tokens", "action_mask", "behavior_logprobs"):
-        values[key] = tuple(values[key])
-    t = Trajectory(**values)
-    if not t.verify():
-        raise ValueError(f"trajectory {t.id!r} does not match its checksum")
-    return t
-
-
-# -- entries ------------------------------------------------------------------------
-
-
-@dataclass
-class Group:
-    """One prompt's G trajectories as the queue holds them.
-
-    ``key`` is the producer's draw index (prompt order); ``seq`` the log
-    position (arrival order). ``policy_version`` is the oldest version among
-    the samples: staleness is judged by the stalest sample of the group.
-    """
-
-    group_id: str
-    key: int
-    trajectories: tuple[Trajectory, ...]
-    put_at: float
-    seq: int = -1
-
-    @property
-    def policy_version(self) -> int:
-        return min(t.policy_version for t in self.trajectories)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(t.num_response_tokens for t in self.trajectories)
-
-    def to_payload(self) -> bytes:
-        body = {"group": self.group_id, "key": self.key, "put_at": self.put_at,
-                "trajectories": [trajectory_to_dict(t) for t in self.trajectories]}
-        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
-
-    @classmethod
-    def from_payload(cls, payload: bytes, seq: int) -> "Group":
-        body = json.loads(payload)
-        return cls(group_id=body["group"], key=int(body["key"]), put_at=float(body["put_at"]), seq=seq,
-                   trajectories=tuple(trajectory_from_dict(t) for t in body["trajectories"]))
+__all__ = ["DROP_REASONS", "Group", "QueueCorruptError", "QueueError", "QueueFull", "QueueStats", "QueueTimeout",
+           "TakeResult", "TrajectoryQueue", "trajectory_from_dict", "trajectory_to_dict"]
 
 
 @dataclass
@@ -184,100 +93,23 @@ class QueueStats:
     log_bytes: int = 0
 
 
-# -- the log ------------------------------------------------------------------------
-
-
-def encode_record(payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
-
-
-def scan_segment(path: Path, *, last: bool) -> tuple[list[tuple[int, bytes]], int | None]:
-    """Records of one segment as ``(offset, payload)``; plus the torn-tail offset to truncate at, if any.
-
-    Raises QueueCorruptError for damage that is not a torn tail of the newest segment.
-    """
-    data = path.read_bytes()
-    out: list[tuple[int, bytes]] = []
-    pos = 0
-    while pos < len(data):
-        problem = None
-        end = len(data)
-        if len(data) - pos < _HEADER.size:
-            problem = "an incomplete record header"
-        else:
-            magic, length, crc = _HEADER.unpack_from(data, pos)
-            if magic != MAGIC:
-                problem = f"bad record magic {magic!r}"
-            elif length > MAX_RECORD_BYTES:
-                problem = f"an impossible record length {length}"
-            else:
-                end = pos + _HEADER.size + length
-                if end > len(data):
-                    problem = "a record cut short by end of file"
-                    end = len(data)
-                elif zlib.crc32(data[pos + _HEADER.size:end]) != crc:
-                    problem = "a record whose CRC32 does not match"
-        if problem is None:
-            out.append((pos, data[pos + _HEADER.size:end]))
-            pos = end
-            continue
-        framed = problem.startswith(("a record cut", "a record whose", "an incomplete"))
-        if not framed and not any(data[pos:]):
-            framed = True  # zeros to the end: blocks allocated but never written (power loss mid-append)
-        if last and framed and end >= len(data):
-            return out, pos  # torn tail: the last append never completed, so it was never acknowledged
-        raise QueueCorruptError(
-            f"trajectory log {path} has {problem} at byte offset {pos} followed by more data",
-            "an acknowledged record is damaged (disk fault or outside edit); restore the run directory from a "
-            "backup, or move the log away to start the queue empty (buffered trajectories are then regenerated)")
-    return out, None
-
-
 @dataclass(frozen=True)
-class Compacted:
-    """What compaction removed from the log: everything below ``below_seq``; ``ranges`` are its draw keys.
+class _Staleness:
+    """A take's rule for dv = ``version`` - a group's policy version: beyond ``bound`` a group is dropped
+    (``stale``) or, with ``reweight``, kept and listed; a group newer than the learner (generated before a
+    restart rolled the version back) is dropped (``orphaned``)."""
 
-    Kept in ``compacted.json`` beside the segments. Keys are stored as
-    inclusive ``[first, last]`` ranges: draw keys are nearly contiguous, so
-    the file stays a few lines however long the run.
-    """
+    version: int
+    bound: int | None
+    reweight: bool
 
-    below_seq: int = 0
-    ranges: tuple[tuple[int, int], ...] = ()
+    def beyond(self, group: Group) -> bool:
+        return self.bound is not None and self.version - group.policy_version > self.bound
 
-    FILE = "compacted.json"
-
-    def keys(self) -> set[int]:
-        return {k for lo, hi in self.ranges for k in range(lo, hi + 1)}
-
-    def extended(self, keys: Iterable[int], below_seq: int) -> "Compacted":
-        merged: list[list[int]] = []
-        for key in sorted(self.keys() | set(keys)):
-            if merged and key == merged[-1][1] + 1:
-                merged[-1][1] = key
-            else:
-                merged.append([key, key])
-        return Compacted(below_seq=max(self.below_seq, below_seq), ranges=tuple((a, b) for a, b in merged))
-
-    def save(self, directory: Path) -> None:
-        tmp = directory / (self.FILE + ".tmp")
-        tmp.write_text(json.dumps({"below_seq": self.below_seq, "key_ranges": [list(r) for r in self.ranges]}))
-        fsync_path(tmp)
-        os.replace(tmp, directory / self.FILE)
-        fsync_path(directory)
-
-    @classmethod
-    def load(cls, directory: Path) -> "Compacted":
-        path = directory / cls.FILE
-        if not path.is_file():
-            return cls()
-        try:
-            body = json.loads(path.read_text())
-            return cls(below_seq=int(body["below_seq"]),
-                       ranges=tuple((int(a), int(b)) for a, b in body["key_ranges"]))
-        except (ValueError, KeyError, TypeError) as err:
-            raise QueueCorruptError(f"{path} is unreadable ({err})",
-                                    "restore the run directory from a backup") from None
+    def verdict(self, group: Group) -> str | None:
+        if self.version - group.policy_version < 0:
+            return "orphaned"
+        return "stale" if self.beyond(group) and not self.reweight else None
 
 
 class TrajectoryQueue:
@@ -325,18 +157,11 @@ class TrajectoryQueue:
         segs = self.segments()
         for i, path in enumerate(segs):
             records, torn = scan_segment(path, last=i == len(segs) - 1)
-            first_seq = int(path.stem.split("-")[1])
-            if first_seq < self._next_seq:
+            if segment_start(path) < self._next_seq:
                 raise QueueCorruptError(f"trajectory log segment {path.name} overlaps the one before it",
                                         "the log directory was edited; restore it from a backup")
-            self._next_seq = first_seq
-            for offset, payload in records:
-                try:
-                    group = Group.from_payload(payload, self._next_seq)
-                except (ValueError, KeyError, TypeError) as err:
-                    raise QueueCorruptError(f"trajectory log {path} holds an unreadable record at byte offset "
-                                            f"{offset} ({err})",
-                                            "restore the run directory from a backup") from None
+            self._next_seq = segment_start(path)
+            for group in read_groups(path, records, self._next_seq):
                 self._next_seq += 1
                 if group.group_id in self._known:
                     self._duplicates += 1
@@ -345,11 +170,7 @@ class TrajectoryQueue:
                 self._pending[group.seq] = group
                 self._puts += 1
             if torn is not None:
-                self.recovered_torn_bytes = path.stat().st_size - torn
-                with path.open("r+b") as handle:
-                    handle.truncate(torn)
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                self.recovered_torn_bytes = truncate_tail(path, torn)
 
     # -- cursor ----------------------------------------------------------------------
 
@@ -540,57 +361,48 @@ class TrajectoryQueue:
             raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        taken: list[Group] = []
-        drops = {r: 0 for r in DROP_REASONS}
-        dropped: list[str] = []
-        weighted: list[str] = []
-        dropped_tokens = 0
+        out = TakeResult(groups=[], drops={r: 0 for r in DROP_REASONS}, dropped_ids=[], weighted=[], staleness=[],
+                         waited_s=0.0)
+        rule = _Staleness(current_version, max_staleness, stale_policy == "reweight")
         with self._cond:
-            while True:
-                now = self._clock()
-                for seq, group in sorted(self._pending.items(), key=lambda kv: (kv[1].key, kv[0])):
-                    if len(taken) >= n:
-                        break
-                    if key_below is not None and group.key >= key_below:
-                        continue
-                    lag = current_version - group.policy_version
-                    reason = None
-                    if self.ttl_s is not None and now - group.put_at > self.ttl_s:
-                        reason = "ttl"
-                    elif lag < 0:
-                        reason = "orphaned"
-                    elif max_staleness is not None and lag > max_staleness:
-                        if stale_policy == "drop":
-                            reason = "stale"
-                        else:
-                            weighted.append(group.group_id)
-                    del self._pending[seq]
-                    if reason is None:
-                        taken.append(group)  # resolved once the take returns: a timed-out take gives it back
-                    else:
-                        self._mark_resolved((group.key,))
-                        drops[reason] += 1
-                        self._drops[reason] += 1
-                        dropped.append(group.group_id)
-                        dropped_tokens += group.num_tokens
-                if len(taken) >= n or (key_below is not None and self._all_resolved_below(key_below, taken)):
-                    break
-                if min_groups is not None and len(taken) >= min_groups:
-                    break  # partial rollout: the rest of the batch carries over
-                if not self._learner_waiting:
-                    self._learner_waiting = True
-                    self._cond.notify_all()  # a producer held back by the window may now take the awaited batch
-                try:
-                    self._wait(deadline, f"{n} trajectory groups (have {len(taken)})", restore=taken)
-                except QueueError:
-                    self._learner_waiting = False
-                    raise
-            self._learner_waiting = False
-            self._mark_resolved(g.key for g in taken)
+            try:
+                while not self._sweep(out, n, rule, key_below):
+                    if min_groups is not None and len(out.groups) >= min_groups:
+                        break  # partial rollout: the rest of the batch carries over
+                    if not self._learner_waiting:
+                        self._learner_waiting = True
+                        self._cond.notify_all()  # a producer held back by the window may take the awaited batch
+                    self._wait(deadline, f"{n} trajectory groups (have {len(out.groups)})", restore=out.groups)
+            finally:
+                self._learner_waiting = False
+            self._mark_resolved(g.key for g in out.groups)
             self._cond.notify_all()
-        return TakeResult(groups=taken, drops=drops, dropped_ids=dropped, weighted=weighted,
-                          staleness=[current_version - g.policy_version for g in taken],
-                          waited_s=time.monotonic() - started, dropped_tokens=dropped_tokens)
+        out.staleness = [current_version - g.policy_version for g in out.groups]
+        out.waited_s = time.monotonic() - started
+        return out
+
+    def _sweep(self, out: TakeResult, n: int, rule: "_Staleness", key_below: int | None) -> bool:
+        """Move ready groups into ``out`` (oldest draw key first), dropping the expired, orphaned and stale ones;
+        whether the take is complete (``n`` groups, or every key below ``key_below`` resolved). Hold the lock."""
+        now = self._clock()
+        for seq, group in sorted(self._pending.items(), key=lambda kv: (kv[1].key, kv[0])):
+            if len(out.groups) >= n:
+                break
+            if key_below is not None and group.key >= key_below:
+                continue
+            reason = "ttl" if self.ttl_s is not None and now - group.put_at > self.ttl_s else rule.verdict(group)
+            del self._pending[seq]
+            if reason is None:
+                out.groups.append(group)  # resolved once the take returns: a timed-out take gives it back
+                if rule.beyond(group):
+                    out.weighted.append(group.group_id)
+            else:
+                self._mark_resolved((group.key,))
+                out.drops[reason] += 1
+                self._drops[reason] += 1
+                out.dropped_ids.append(group.group_id)
+                out.dropped_tokens += group.num_tokens
+        return len(out.groups) >= n or (key_below is not None and self._all_resolved_below(key_below, out.groups))
 
     def _all_resolved_below(self, key_below: int, taking: Sequence[Group] = ()) -> bool:
         """Every draw key below ``key_below`` is resolved, counting the groups this take holds.
@@ -675,24 +487,8 @@ class TrajectoryQueue:
         still answers for them and a resume never regenerates (and trains
         again) a prompt whose group was compacted away.
         """
-        removed: list[Path] = []
         with self._lock:
-            segs = self.segments()
-            doomed = [path for path, following in zip(segs, segs[1:])
-                      if int(following.stem.split("-")[1]) <= below_seq]
-            if not doomed:
-                return removed
-            keys = set()
-            for path in doomed:
-                for _, payload in scan_segment(path, last=False)[0]:
-                    keys.add(int(json.loads(payload)["key"]))
-            first_kept = int(segs[len(doomed)].stem.split("-")[1])
-            self._compacted = self._compacted.extended(keys, first_kept)
-            self._compacted.save(self.directory)  # durable before any segment is deleted
-            for path in doomed:
-                path.unlink()
-                removed.append(path)
-            fsync_path(self.directory)
+            self._compacted, removed = compact_segments(self.directory, self.segments(), below_seq, self._compacted)
         return removed
 
     def close(self) -> None:
@@ -702,8 +498,3 @@ class TrajectoryQueue:
                 os.close(self._segment)
                 self._segment = None
             self._cond.notify_all()
-
-
-def iter_groups(groups: Iterable[Group]) -> Iterator[Trajectory]:
-    for group in groups:
-        yield from group.trajectories

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Callable, Mapping
 
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.types import CheckpointManifest
+from rlctl.contracts.checkpoints import CheckpointManifest
 from rlctl.storage.durable import write_dir_durably
 
 

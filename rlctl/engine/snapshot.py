@@ -32,7 +32,7 @@ from rlctl.contracts.errors import CheckpointError
 from rlctl.contracts.roles import (
     CheckpointableLearner, CheckpointStore, RestartableLearner, ShardedCheckpointLearner, StatefulRollout,
 )
-from rlctl.contracts.types import CheckpointState, ShadowBatch
+from rlctl.contracts.checkpoints import CheckpointState, ShadowBatch
 from rlctl.engine import state_codec
 from rlctl.engine.batching import CursorState
 from rlctl.engine.roles import ResumePoint, Roles

@@ -90,7 +90,6 @@ def train_on(inputs: StepInput, roles: Roles, spec: LoopSpec, *, step: int,
 def _update(inputs: StepInput, roles: Roles, spec: LoopSpec, step: int,
             beat: Any) -> tuple[dict[str, dict[str, float]], Any, list[float]]:
     """Batch, reweight, estimate, train critic and policy; (stats, advantages [N, T], D_lag per sample)."""
-    import torch
 
     from rlctl.algo.importance import lag_divergence
 

@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from rlctl import CheckpointError, ConfigError, RoleError, WeightUpdate
 from rlctl.contracts.batch import TrainBatch
-from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.checkpoints import LearnerState
 from rlctl.placement.ranks import free_port, init_group, rank_device
 from rlctl.engine import shards, state_codec
 from rlctl.kit.torch_learner import TorchLearner

@@ -47,7 +47,8 @@ from rlctl.algo import (
     truncated_is_weights,
 )
 from rlctl.contracts.batch import TrainBatch
-from rlctl.contracts.types import LearnerContext, LearnerState
+from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.checkpoints import LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom

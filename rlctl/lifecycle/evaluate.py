@@ -47,60 +47,63 @@ def evaluate_run(registry: Registry, plugins: Plugins, run_id: str, split: str |
 
 def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], split: str | None = None,
                   num_prompts: int | None = None, progress: Callable[[str], None] | None = None) -> GroupEval:
-    from rlctl.lifecycle.grading import grade_policy, paired_bootstrap, pooled_bootstrap
-    from rlctl.placement.build import load_task
+    """Grade each run's start and final policy on the same prompts; pooled over the runs when there are several."""
+    from rlctl.lifecycle.grading import pooled_bootstrap
 
     if not run_ids:
         raise RegistryError("no runs to evaluate", "name at least one run id")
     runs = [registry.get_run(r) for r in run_ids]
     if len({r.id for r in runs}) != len(runs):
         raise RegistryError("a run is named twice", "name each run once")
-    tasks: dict[str, Any] = {}
-    graded: dict[tuple[str, str], Any] = {}  # (policy dir, decoding settings) -> PolicyScores
+    grader = _Grader(plugins, progress)
     out: list[tuple[EvalRecord, dict[str, Any]]] = []
     pairs, prompt_ids = [], None
     for run in runs:
-        config = RunConfig.model_validate(run.config)
-        run_split = split or config.eval.split
-        run_dir = Path(run.run_dir)
-        final_dir = run_dir / "policy" / "final"
-        info_path = run_dir / "run.json"
-        if not final_dir.is_dir() or not info_path.is_file():
-            raise RegistryError(f"run {run.id} has no final policy in {final_dir} (status: {run.status})",
-                                "evaluate a run that finished, or re-run it")
-        initial_dir = Path(json.loads(info_path.read_text())["initial_policy"])
-        task_key = json.dumps([config.task.model_dump(mode="json"), run.dataset_version], sort_keys=True)
-        if task_key not in tasks:
-            tasks[task_key] = load_task(config, plugins)
-        task = tasks[task_key]
-        if task.version != run.dataset_version:
-            raise DataError(f"the task data changed since run {run.id} (dataset version {task.version} != "
-                            f"{run.dataset_version})", "evaluate on the data the run trained with")
-        records = task.split(run_split)
-        limit = num_prompts if num_prompts is not None else config.eval.num_prompts
-        if limit:
-            records = records[:limit]
-        ids = [r.id for r in records]
+        record, details, base, final, ids = grader.evaluate(run, split, num_prompts)
         if prompt_ids is not None and ids != prompt_ids:
             raise DataError(f"run {run.id} is evaluated on other prompts than {runs[0].id} (dataset, split or "
                             "eval.num_prompts differ), so their results cannot be pooled",
                             "evaluate runs of one config together, e.g. the seeds of one `rlctl train --seeds`")
         prompt_ids = ids
-        decoding = json.dumps([run_split, ids[:1], len(ids), config.eval.max_tokens, config.rollout.backend,
-                               config.rollout.options, config.reward.model_dump(mode="json")], sort_keys=True)
+        pairs.append((base.correct, final.correct))
+        registry.add_eval(record)
+        registry.add_event(run.id, "eval", f"{record.split} pass@1 {base.pass_at_1:.3f} -> {final.pass_at_1:.3f} "
+                           f"(diff {record.diff:+.3f}, 95% CI [{record.ci_low:+.3f}, {record.ci_high:+.3f}])")
+        out.append((record, details))
+    result = GroupEval(evals=out, seeds=[r.seed for r in runs], wins=sum(d["wins"] for _, d in out),
+                       losses=sum(d["losses"] for _, d in out))
+    if len(runs) > 1:
+        first = RunConfig.model_validate(runs[0].config)
+        result.pooled = pooled_bootstrap(pairs, samples=first.eval.bootstrap_samples, seed=first.run.seed)
+    return result
 
-        def grade(name: str, policy_dir: Path) -> Any:
-            key = (str(policy_dir.resolve()), decoding)
-            if key not in graded:
-                if progress:
-                    progress(f"grading the {name} policy of run {run.id} on {len(records)} {run_split} prompts")
-                graded[key] = grade_policy(name, policy_dir, config, plugins, task, records)
-            return graded[key]
 
-        base, final = grade("start", initial_dir), grade("final", final_dir)
+class _Grader:
+    """Grades runs' policies, loading each task once and grading each (policy, decoding) once."""
+
+    def __init__(self, plugins: Plugins, progress: Callable[[str], None] | None) -> None:
+        self.plugins, self.progress = plugins, progress
+        self.tasks: dict[str, Any] = {}
+        self.graded: dict[tuple[str, str], Any] = {}  # (policy dir, decoding settings) -> PolicyScores
+
+    def evaluate(self, run: Any, split: str | None, num_prompts: int | None) -> tuple[EvalRecord, dict, Any, Any,
+                                                                                       list[str]]:
+        """(record, details, start scores, final scores, prompt ids) of one run."""
+        from rlctl.lifecycle.grading import paired_bootstrap
+
+        config = RunConfig.model_validate(run.config)
+        run_split = split or config.eval.split
+        initial_dir, final_dir = _policy_dirs(run)
+        records = self._task(run, config).split(run_split)
+        limit = num_prompts if num_prompts is not None else config.eval.num_prompts
+        records = records[:limit] if limit else records
+        decoding = json.dumps([run_split, [r.id for r in records[:1]], len(records), config.eval.max_tokens,
+                               config.rollout.backend, config.rollout.options, config.reward.model_dump(mode="json")],
+                              sort_keys=True)
+        base = self._grade("start", initial_dir, run, config, records, run_split, decoding)
+        final = self._grade("final", final_dir, run, config, records, run_split, decoding)
         comp = paired_bootstrap(base.correct, final.correct, samples=config.eval.bootstrap_samples,
                                 seed=config.run.seed)
-        pairs.append((base.correct, final.correct))
         failures = [{"prompt": r.text, "answer": r.answer, "response": resp}
                     for r, ok, resp in zip(records, final.correct, final.responses) if not ok][:5]
         details = {"fixed_decoding": {"temperature": 0.0, "max_tokens": config.eval.max_tokens},
@@ -111,12 +114,37 @@ def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], 
                             candidate_name="final", baseline_pass_at_1=base.pass_at_1,
                             candidate_pass_at_1=final.pass_at_1, diff=comp.diff, ci_low=comp.ci_low,
                             ci_high=comp.ci_high, created_at=time.time(), details=details)
-        registry.add_eval(record)
-        registry.add_event(run.id, "eval", f"{run_split} pass@1 {base.pass_at_1:.3f} -> {final.pass_at_1:.3f} "
-                           f"(diff {comp.diff:+.3f}, 95% CI [{comp.ci_low:+.3f}, {comp.ci_high:+.3f}])")
-        out.append((record, details))
-    result = GroupEval(evals=out, seeds=[r.seed for r in runs], wins=sum(d["wins"] for _, d in out), losses=sum(d["losses"] for _, d in out))
-    if len(runs) > 1:
-        first = RunConfig.model_validate(runs[0].config)
-        result.pooled = pooled_bootstrap(pairs, samples=first.eval.bootstrap_samples, seed=first.run.seed)
-    return result
+        return record, details, base, final, [r.id for r in records]
+
+    def _task(self, run: Any, config: RunConfig) -> Any:
+        from rlctl.placement.build import load_task
+
+        key = json.dumps([config.task.model_dump(mode="json"), run.dataset_version], sort_keys=True)
+        if key not in self.tasks:
+            self.tasks[key] = load_task(config, self.plugins)
+        task = self.tasks[key]
+        if task.version != run.dataset_version:
+            raise DataError(f"the task data changed since run {run.id} (dataset version {task.version} != "
+                            f"{run.dataset_version})", "evaluate on the data the run trained with")
+        return task
+
+    def _grade(self, name: str, policy_dir: Path, run: Any, config: RunConfig, records: Sequence[Any],
+               split: str, decoding: str) -> Any:
+        from rlctl.lifecycle.grading import grade_policy
+
+        key = (str(policy_dir.resolve()), decoding)
+        if key not in self.graded:
+            if self.progress:
+                self.progress(f"grading the {name} policy of run {run.id} on {len(records)} {split} prompts")
+            self.graded[key] = grade_policy(name, policy_dir, config, self.plugins, self._task(run, config), records)
+        return self.graded[key]
+
+
+def _policy_dirs(run: Any) -> tuple[Path, Path]:
+    """(the run's starting policy, its final policy); RegistryError when the run did not finish."""
+    run_dir = Path(run.run_dir)
+    final_dir, info_path = run_dir / "policy" / "final", run_dir / "run.json"
+    if not final_dir.is_dir() or not info_path.is_file():
+        raise RegistryError(f"run {run.id} has no final policy in {final_dir} (status: {run.status})",
+                            "evaluate a run that finished, or re-run it")
+    return Path(json.loads(info_path.read_text())["initial_policy"]), final_dir

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 from rlctl.config.load import apply_override, load_config, validate
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.types import CheckpointState
+from rlctl.contracts.checkpoints import CheckpointState
 from rlctl.hooks.manager import Plugins
 from rlctl.lifecycle.provenance import code_version
 from rlctl.lifecycle.run import Run, TrainCallbacks, TrainResult, reconcile

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from rlctl.config.load import config_hash
 from rlctl.config.models import RunConfig, sink_specs
 from rlctl.contracts.errors import CheckpointError, RlctlError
-from rlctl.contracts.types import CheckpointManifest, CheckpointState, EvalRecord, RunRecord
+from rlctl.contracts.types import EvalRecord, RunRecord
+from rlctl.contracts.checkpoints import CheckpointManifest, CheckpointState
 from rlctl.engine.roles import START, ResumePoint
 from rlctl.engine.rundir import RunDir, RunLock
 from rlctl.hooks.manager import Plugins

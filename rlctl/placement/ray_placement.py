@@ -42,7 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlctl.config.load import validate_options
 from rlctl.config.models import RunConfig
-from rlctl.contracts.errors import LearnerLost, RoleError, WorkerLost
+from rlctl.contracts.errors import LearnerLost, WorkerLost
 from rlctl.contracts.roles import ShardedLearnerOptions
 from rlctl.contracts.types import RewardResult, RolloutRequest, TaskData, Trajectory, WeightUpdate
 from rlctl.engine.faults import fault_site

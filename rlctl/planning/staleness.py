@@ -77,98 +77,108 @@ class Prediction:
 
 def predict(params: SimParams, lengths: Callable[[random.Random], int], seed: int = 0) -> Prediction:
     """Simulate ``params.steps`` learner steps; ``lengths(rng)`` draws one response length in tokens."""
-    p = params
-    rng = random.Random(seed)
-    b, ahead = p.prompts_per_step, p.max_ahead
-    now = 0.0
-    jobs: dict[int, list] = {}  # -1 = the learner's step, w >= 0 = worker w's call: [work left, keys, version]
-    version = step = next_key = 0
-    pending: dict[int, int] = {}  # key -> policy version of its group
-    idle_since: dict[int, float] = {w: 0.0 for w in range(p.workers)}
-    rollout_wait = learner_wait = 0.0
-    learner_idle_since = 0.0
-    trained: list[int] = []
-    dropped = 0
-    demand = []
+    sim = _Simulation(params, lengths, random.Random(seed))
+    for w in range(params.workers):
+        sim.start_worker(w)
+    sim.try_learn()
+    while sim.step < params.steps and sim.jobs:
+        sim.advance()
+        sim.try_learn()
+        for w in range(params.workers):
+            if w not in sim.jobs:
+                sim.start_worker(w)
+        sim.try_learn()
+    return sim.prediction()
 
-    def admissible(key: int) -> bool:
-        occupancy = len(pending) + sum(len(j[1]) for w, j in jobs.items() if w >= 0)
-        return occupancy < p.capacity and key // b <= version + ahead
 
-    def start_worker(w: int) -> None:
-        nonlocal next_key, rollout_wait
-        keys = []
-        while len(keys) < p.chunk and admissible(next_key):
-            keys.append(next_key)
-            next_key += 1
+class _Simulation:
+    """The learner and W rollout workers on a virtual clock (see the module docstring)."""
+
+    def __init__(self, params: SimParams, lengths: Callable[[random.Random], int], rng: random.Random) -> None:
+        self.p, self.lengths, self.rng = params, lengths, rng
+        self.now = 0.0
+        self.jobs: dict[int, list] = {}  # -1 = the learner's step, w >= 0 = worker w's call: [work left, keys, version]
+        self.version = self.step = self.next_key = 0
+        self.pending: dict[int, int] = {}  # key -> policy version of its group
+        self.idle_since: dict[int, float] = {w: 0.0 for w in range(params.workers)}
+        self.rollout_wait = self.learner_wait = self.learner_idle_since = 0.0
+        self.trained: list[int] = []
+        self.dropped = 0
+        self.demand: list[float] = []
+
+    def admissible(self, key: int) -> bool:
+        occupancy = len(self.pending) + sum(len(j[1]) for w, j in self.jobs.items() if w >= 0)
+        return occupancy < self.p.capacity and key // self.p.prompts_per_step <= self.version + self.p.max_ahead
+
+    def start_worker(self, w: int) -> None:
+        p, keys = self.p, []
+        while len(keys) < p.chunk and self.admissible(self.next_key):
+            keys.append(self.next_key)
+            self.next_key += 1
         if not keys:
             return
-        rollout_wait += now - idle_since.pop(w)
-        longest = max(lengths(rng) for _ in range(len(keys) * p.group_size))
+        self.rollout_wait += self.now - self.idle_since.pop(w)
+        longest = max(self.lengths(self.rng) for _ in range(len(keys) * p.group_size))
         duration = p.call_s + p.token_s * longest
-        demand.append(duration / len(keys))
-        jobs[w] = [duration, keys, version]
+        self.demand.append(duration / len(keys))
+        self.jobs[w] = [duration, keys, self.version]
 
-    def try_learn() -> None:
-        nonlocal learner_wait, dropped
-        if -1 in jobs or step >= p.steps:
+    def try_learn(self) -> None:
+        p, b = self.p, self.p.prompts_per_step
+        if -1 in self.jobs or self.step >= p.steps:
             return
-        if p.mode == "async" or p.min_groups:
-            below = None if p.mode == "async" else (step + 1) * b  # one_step_off: only batches up to this step's
-            bound = p.max_staleness if p.mode == "async" else ahead
-            for k in [k for k, v in pending.items() if version - v > bound and (below is None or k < below)]:
-                pending.pop(k)
-                dropped += 1
-            fresh = sorted(k for k in pending if below is None or k < below)
-            if len(fresh) < (p.min_groups or b):
-                return
-            batch = fresh[:b]
-        else:
-            batch = [k for k in range(step * b, (step + 1) * b)]
-            if any(k not in pending for k in batch):
-                return
-        learner_wait += now - learner_idle_since
+        batch = self._ready_batch() if p.mode == "async" or p.min_groups else \
+            [k for k in range(self.step * b, (self.step + 1) * b)]
+        if batch is None or any(k not in self.pending for k in batch):
+            return
+        self.learner_wait += self.now - self.learner_idle_since
         for k in batch:
-            trained.append(version - pending.pop(k))
-        jobs[-1] = [p.learn_s + p.sync_s, [], version]
+            self.trained.append(self.version - self.pending.pop(k))
+        self.jobs[-1] = [p.learn_s + p.sync_s, [], self.version]
 
-    for w in range(p.workers):
-        start_worker(w)
-    try_learn()
-    while step < p.steps and jobs:
-        rate = 1.0 if p.cores is None else min(1.0, p.cores / len(jobs))  # processor sharing
-        done = min(jobs, key=lambda j: jobs[j][0])
-        dt = jobs[done][0] / rate
-        now += dt
-        for job in jobs.values():
+    def _ready_batch(self) -> list[int] | None:
+        """async and partial rollout: drop what is beyond the bound, then the oldest ready keys (None: too few)."""
+        p, b = self.p, self.p.prompts_per_step
+        below = None if p.mode == "async" else (self.step + 1) * b  # one_step_off: only batches up to this step's
+        bound = p.max_staleness if p.mode == "async" else p.max_ahead
+        for k in [k for k, v in self.pending.items() if self.version - v > bound and (below is None or k < below)]:
+            self.pending.pop(k)
+            self.dropped += 1
+        fresh = sorted(k for k in self.pending if below is None or k < below)
+        return fresh[:b] if len(fresh) >= (p.min_groups or b) else None
+
+    def advance(self) -> None:
+        """Run the clock to the next job's end (processor sharing over ``cores``) and retire that job."""
+        rate = 1.0 if self.p.cores is None else min(1.0, self.p.cores / len(self.jobs))
+        done = min(self.jobs, key=lambda j: self.jobs[j][0])
+        dt = self.jobs[done][0] / rate
+        self.now += dt
+        for job in self.jobs.values():
             job[0] -= dt * rate
-        _, keys, v = jobs.pop(done)
+        _, keys, v = self.jobs.pop(done)
         if done >= 0:
             for k in keys:
-                pending[k] = v
-            idle_since[done] = now
+                self.pending[k] = v
+            self.idle_since[done] = self.now
         else:
-            step += 1
-            version += 1
-            learner_idle_since = now
-        try_learn()
-        for w in range(p.workers):
-            if w not in jobs:
-                start_worker(w)
-        try_learn()
-    total = max(now, 1e-9)
-    ordered = sorted(trained)
-    per_group = sum(demand) / len(demand) if demand else 0.0
-    return Prediction(
-        staleness_mean=sum(trained) / len(trained) if trained else 0.0,
-        staleness_p95=float(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]) if ordered else 0.0,
-        drop_rate=dropped / max(1, dropped + len(trained)),
-        learner_wait_share=learner_wait / total,
-        rollout_wait_share=rollout_wait / (total * p.workers),
-        steps_per_s=step / total,
-        groups_per_s=len(trained) / total,
-        utilisation=(per_group * b / p.workers) / max(p.learn_s + p.sync_s, 1e-9),
-    )
+            self.step += 1
+            self.version += 1
+            self.learner_idle_since = self.now
+
+    def prediction(self) -> Prediction:
+        p, total = self.p, max(self.now, 1e-9)
+        ordered = sorted(self.trained)
+        per_group = sum(self.demand) / len(self.demand) if self.demand else 0.0
+        return Prediction(
+            staleness_mean=sum(self.trained) / len(self.trained) if self.trained else 0.0,
+            staleness_p95=float(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]) if ordered else 0.0,
+            drop_rate=self.dropped / max(1, self.dropped + len(self.trained)),
+            learner_wait_share=self.learner_wait / total,
+            rollout_wait_share=self.rollout_wait / (total * p.workers),
+            steps_per_s=self.step / total,
+            groups_per_s=len(self.trained) / total,
+            utilisation=(per_group * p.prompts_per_step / p.workers) / max(p.learn_s + p.sync_s, 1e-9),
+        )
 
 
 def empirical(lengths: Sequence[int]) -> Callable[[random.Random], int]:

@@ -38,7 +38,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from rlctl.contracts.errors import RegistryError
-from rlctl.contracts.types import CheckpointRecord, EvalRecord, EventRecord, MetricPoint, RunRecord
+from rlctl.contracts.types import EvalRecord, EventRecord, MetricPoint, RunRecord
+from rlctl.contracts.checkpoints import CheckpointRecord
 from rlctl.registry.db import IMMEDIATE, URL_HINT, default_url, display_url, migrate, open_engine
 from rlctl.registry.tables import Checkpoint, Eval, Event, Metric, Run
 

@@ -21,14 +21,8 @@ import pytest
 import torch
 
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.types import (
-    CheckpointFile,
-    CheckpointManifest,
-    CheckpointState,
-    LearnerState,
-    SamplingConfig,
-    ShadowBatch,
-)
+from rlctl.contracts.types import SamplingConfig
+from rlctl.contracts.checkpoints import CheckpointFile, CheckpointManifest, CheckpointState, LearnerState, ShadowBatch
 from rlctl.engine import checkpoint as ckpt
 from rlctl.engine import state_codec
 from rlctl.engine.checkpoint import COMMITTED, DiskCheckpointStore, load_checkpoint, read_manifest, verify

@@ -76,7 +76,7 @@ def test_activation_formula_matches_measured_saved_tensors():
 
     from rlctl.config.models import ModelConfig
     from rlctl.models.load import build_tiny
-    from rlctl.planning.dryrun import _DispatchMeter, _live_mode
+    from rlctl.planning.meter import DispatchMeter as _DispatchMeter, live_mode as _live_mode
     from rlctl.planning.shapes import builtin_shape
 
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -99,7 +99,7 @@ def test_activation_formula_matches_measured_saved_tensors():
 def test_meter_counts_allocations_and_frees():
     import torch
 
-    from rlctl.planning.dryrun import _DispatchMeter, _live_mode
+    from rlctl.planning.meter import DispatchMeter as _DispatchMeter, live_mode as _live_mode
 
     meter = _DispatchMeter(roles=None)
     with _live_mode(meter):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlctl.contracts.types import CheckpointState, LearnerContext
+from rlctl.contracts.types import LearnerContext
+from rlctl.contracts.checkpoints import CheckpointState
 from tests.helpers import learner_context, rollout_batch
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def _learner(session, world: int):
 
 def _commit(store, learner, step: int, session) -> str:
     """Write the learner's shards through the store's commit protocol (the rest of the state is a stand-in)."""
-    from rlctl.contracts.types import ShadowBatch
+    from rlctl.contracts.checkpoints import ShadowBatch
 
     state = learner.save_shards(store.stage_shards(step))
     z = torch.zeros((1, 2))
@@ -128,7 +129,7 @@ def test_a_sharded_checkpoint_is_refused_by_the_torch_learner(session, tmp_path)
     """Loading shards needs a sharded learner; the error names the way out."""
     from rlctl.contracts.errors import CheckpointError
     from rlctl.engine.snapshot import restore
-    from rlctl.contracts.types import LearnerState
+    from rlctl.contracts.checkpoints import LearnerState
 
     state = LearnerState(policy_version=1, weights={}, model_files={}, optimizer={}, scheduler={},
                          shard_dir=str(tmp_path))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlctl.contracts.errors import CheckpointError
-from rlctl.contracts.types import CheckpointState, LearnerState, SamplingConfig, ShadowBatch
+from rlctl.contracts.types import SamplingConfig
+from rlctl.contracts.checkpoints import CheckpointState, LearnerState, ShadowBatch
 from rlctl.engine import shards
 from rlctl.engine.checkpoint import DiskCheckpointStore, export_hf, load_checkpoint, verify
 
