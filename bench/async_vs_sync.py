@@ -201,7 +201,8 @@ def summarize(runs: list[dict], prompts: int, group: int) -> dict:
 
 def print_table(args: argparse.Namespace, workload: str, shape: str, results: list[dict]) -> None:
     from rlctl.lifecycle.grading import paired_bootstrap
-    from rlctl.planning.staleness import contention_cores, predict_for_run
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.planning.staleness import contention_cores, length_tail, predict_for_run
 
     sync = next(r for r in results if r["name"] == "sync")
     smoke = {k: statistics.median(m[k] for m in sync["rows"][1:] or sync["rows"])
@@ -214,7 +215,8 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
     header = ("mode", "s/step", "x sync", "pred x sync", "T_l s", "T_s s", "wall s", "trained tok/s", "eff tok/s",
               "hidden pass@1",
               "diff vs sync [95% CI]", "dv mean", "pred dv mean", "pred miss", "drops")
-    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts).prediction.groups_per_s
+    tail = length_tail(sync["config"], load_plugins())
+    base = predict_for_run(sync["config"], smoke, workers=1, chunk=args.prompts, tail=tail).prediction.groups_per_s
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in results:
@@ -226,7 +228,7 @@ def print_table(args: argparse.Namespace, workload: str, shape: str, results: li
             acc = diff = "-"
         pred, miss, speedup = 0.0, "-", 1.0
         if r["name"] != "sync":
-            prediction = predict_for_run(r["config"], smoke).prediction
+            prediction = predict_for_run(r["config"], smoke, tail=tail).prediction
             pred, speedup = prediction.staleness_mean, prediction.groups_per_s / base
             miss = f"{pred - r['dv']:+.2f} ({abs(pred - r['dv']) / r['dv']:.0%})" if r["dv"] > 0 else f"{pred:+.2f}"
         print(f"| {r['name']} | {r['step_s']:.3f} | {sync['step_s'] / r['step_s']:.2f} | {speedup:.2f} | "

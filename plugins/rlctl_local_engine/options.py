@@ -34,6 +34,10 @@ class LocalEngineOptions(BaseModel):
     )
     length_tail_min: int = Field(4, ge=1, description="Scale (minimum) of the Pareto length tail.")
 
+    def length_tail(self) -> tuple[float, int] | None:
+        """LengthTailOptions: (alpha, minimum) of the imposed Pareto length tail, None when off."""
+        return (self.length_tail_alpha, self.length_tail_min) if self.length_tail_alpha else None
+
     @field_validator("kv_cache_budget", mode="before")
     @classmethod
     def _budget(cls, value: object) -> object:

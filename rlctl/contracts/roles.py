@@ -218,6 +218,16 @@ class RolloutMemoryTerms(Protocol):
 
 
 @runtime_checkable
+class LengthTailOptions(Protocol):
+    """A rollout plugin's validated options that impose a response-length tail (optional; e.g. the local
+    engine's benchmark option): the staleness simulator draws lengths from it instead of a smoke step's."""
+
+    def length_tail(self) -> tuple[float, int] | None:
+        """``(alpha, minimum)`` of the Pareto tail every row is decoded to, or None when it is off."""
+        ...
+
+
+@runtime_checkable
 class CheckpointableLearner(Protocol):
     """A learner whose state a checkpoint can hold (optional: needed for checkpoint.every_steps > 0).
 

@@ -105,7 +105,7 @@ class Broadcaster:
         self.last = PublishReport(
             version=update.version, transport=self.transport.name, encoding=o.encoding, delta=manifest.is_delta,
             num_bytes=manifest.num_bytes, full_bytes=encoded.full_bytes, num_shards=len(manifest.shards),
-            latency_s=latency, manifest=manifest, location=str(getattr(self.transport, "last_dir", "") or ""),
+            latency_s=latency, manifest=manifest, location=self.transport.location,
         )
         return self.last
 

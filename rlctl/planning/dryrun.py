@@ -143,9 +143,9 @@ def dryrun(config: RunConfig, plugins: Plugins, home: Path, options: DryrunOptio
         if smoke is None:
             notes.append("staleness prediction needs the smoke step's timings (drop --no-smoke)")
         else:
-            from rlctl.planning.staleness import predict_for_run
+            from rlctl.planning.staleness import length_tail, predict_for_run
 
-            staleness = predict_for_run(config, smoke.metrics)
+            staleness = predict_for_run(config, smoke.metrics, tail=length_tail(config, plugins))
     return DryrunReport(checks=tuple(checks), shape=shape, workload=work, strategy=strat, placements=placements,
                         smoke=smoke, notes=tuple(notes), staleness=staleness)
 

@@ -231,15 +231,26 @@ class RunPrediction:
     lengths: str  # how response lengths were drawn
 
 
-def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int = 200,
-                    cores: float | None | str = "placement", **overrides: Any) -> RunPrediction:
+def length_tail(config: Any, plugins: Any) -> tuple[float, int] | None:
+    """The Pareto length tail the run's rollout options impose (LengthTailOptions), or None."""
+    from rlctl.config.load import validate_options
+    from rlctl.contracts.roles import LengthTailOptions
+
+    options = validate_options(plugins.get("rollout_backend", config.rollout.backend).options,
+                               config.rollout.options, "rollout.options")
+    return options.length_tail() if isinstance(options, LengthTailOptions) else None
+
+
+def predict_for_run(config: Any, smoke_metrics: dict[str, float], steps: int = 200,
+                    cores: float | None | str = "placement", *, tail: tuple[float, int] | None = None,
+                    **overrides: Any) -> RunPrediction:
     """Predict from a sync smoke step's timings (T_r for one whole batch, T_l, T_s) and response lengths.
 
     Per-token time is T_r / longest response (batched decoding runs as long as
     its longest row), per worker call; the learner's step adds the extra
     log-prob pass of the overlapped loop (about a third of a train step).
-    Lengths follow the rollout's Pareto tail option when set, else a spread
-    between the smoke step's mean and max response length. ``cores``:
+    Lengths follow ``tail`` (the rollout's imposed Pareto tail: ``length_tail``)
+    when given, else a spread between the smoke step's mean and max response length. ``cores``:
     "placement" = ``contention_cores(config)``; None = no contention.
     ``overrides`` replace SimParams fields (e.g. ``workers=1, chunk=B`` for
     the plain synchronous loop's single engine).
@@ -247,9 +258,8 @@ def predict_for_run(config: object, smoke_metrics: dict[str, float], steps: int 
     m = smoke_metrics
     longest = max(1.0, m.get("response_length_max", 1.0))
     mean = max(1.0, m.get("response_length_mean", longest))
-    options = getattr(config.rollout, "options", {}) or {}
-    if options.get("length_tail_alpha"):
-        alpha, low = float(options["length_tail_alpha"]), int(options.get("length_tail_min", 4))
+    if tail is not None:
+        alpha, low = tail
         draw, how = pareto(alpha, low, config.rollout.max_tokens), f"Pareto(alpha={alpha:g}, min={low})"
         # the smoke batch decoded to its longest tail draw, not to its longest (trained) response:
         # per-token time is T_r over the typical longest of B x G draws

@@ -105,3 +105,14 @@ def test_plugin_imports_outside_the_public_surface_are_named(graph, tmp_path):
         (plugins / name).write_text(text)
     found = [line.split(": ", 1)[1] for line in graph.plugin_problems(plugins, root)]
     assert found == ["p_one imports rlctl.engine.faults (top)", "p_one imports p_two.learner (lazy)"]
+
+
+def test_rlctl_has_no_import_cycle_and_no_upward_import(graph):
+    """Imports inside rlctl/ point one way, down the floors of LAYERS (lazy imports inside functions count), and
+    no two modules import each other, however indirectly."""
+    assert graph.problems() == []
+
+
+def test_every_package_of_rlctl_has_a_floor(graph):
+    packages = {p.name for p in (REPO / "rlctl").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert {p for p in packages if graph.tier_of(p) is None} == set()

@@ -327,6 +327,80 @@ def test_core_touches_only_protocol_members(home: Path, tmp_path: Path) -> None:
         f"core uses rollout attributes no Protocol declares: {sorted(third.seen_rollout - ROLLOUT_MEMBERS)}")
 
 
+def test_core_touches_only_protocol_members_in_the_overlapped_loop(home: Path, tmp_path: Path) -> None:
+    """The same check through the overlapped driver (mode=async: producer threads, the queue, in-run recovery
+    wiring), a resume included."""
+    from rlctl.config.load import load_config
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.lifecycle.resume import resume
+    from rlctl.lifecycle.train import train
+    from rlctl.registry.store import Registry
+
+    third = ThirdParty()
+    plugins = load_plugins(extra={"thirdparty": third})
+    config = load_config(None, TINY_OVERRIDES + [
+        "train.learner=recorded-torch", "rollout.backend=recorded-local", "train.steps=2", "eval.at_end=false",
+        "checkpoint.every_steps=1", "algo.kl.coef=0.01", "algo.kl.placement=reward", "mode=async",
+        "cluster.num_rollout_workers=2"])
+    with Registry.open(f"sqlite:///{tmp_path / 'r.db'}") as reg:
+        run = train(config, registry=reg, plugins=plugins, home=home, run_dir=tmp_path / "run").run
+        resumed = resume(run.id, registry=reg, plugins=plugins, home=home, overrides=["train.steps=3"])
+        assert resumed.run.status == "succeeded" and resumed.first_step == 2
+    for name in ("train_step_with_logprobs", "export_weights", "checkpoint_state", "load_checkpoint_state",
+                 "ref_logprobs", "save_pretrained"):
+        assert name in third.seen_learner, f"the test no longer exercises {name}"
+    assert {"generate", "update_weights"} <= third.seen_rollout
+    assert third.seen_learner <= LEARNER_MEMBERS, sorted(third.seen_learner - LEARNER_MEMBERS)
+    assert third.seen_rollout <= ROLLOUT_MEMBERS, sorted(third.seen_rollout - ROLLOUT_MEMBERS)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_core_touches_only_protocol_members_on_ray(ray_cluster, home: Path, tmp_path: Path, plugins: Any) -> None:
+    """On Ray the loops talk to driver-side handles (the learner actor's RayLearner, the rollout actors'
+    RayWorkers): everything core asks of them is declared on the learner Protocols and the RolloutWorker
+    Protocol, and the learner actor serves nothing else by name."""
+    from dataclasses import replace
+    from functools import partial
+
+    from rlctl.config.load import load_config
+    from rlctl.engine.checkpoint import DiskCheckpointStore
+    from rlctl.engine.drive import drive
+    from rlctl.engine.producers import RolloutFleet, RolloutWorker
+    from rlctl.engine.snapshot import Provenance, StepCheckpointer, recover_newest
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.placement import place
+    from rlctl.placement.ray_actors import LEARNER_CALLS
+
+    assert LEARNER_CALLS <= LEARNER_MEMBERS, sorted(LEARNER_CALLS - LEARNER_MEMBERS)
+    worker_members = protocol_members(RolloutWorker)
+    config = load_config(None, TINY_OVERRIDES + [
+        "cluster.backend=ray", "cluster.rollout_num_cpus=0.5", "cluster.learner_num_cpus=0.5", "mode=async",
+        "train.steps=3", "algo.kl.coef=0.01", "algo.kl.placement=reward", "eval.at_end=false"])
+    placement = place(config, plugins, cache_root=home / "cache")
+    seen_learner: set[str] = set()
+    seen_workers: set[str] = set()
+    try:
+        roles = placement.roles
+        roles = replace(roles, learner=recorder(roles.learner, LEARNER_MEMBERS, seen_learner),
+                        rollout=RolloutFleet([recorder(w, worker_members, seen_workers) for w in roles.rollout.workers]))
+        store = DiskCheckpointStore(tmp_path / "checkpoints", keep_last=2, async_save=False)
+        ckpt = StepCheckpointer(roles, store, Provenance(run_id="r", config_hash="h", code_version="c"),
+                                every_steps=1, total_steps=3)
+        drive(roles, LoopSpec.from_config(config), [], checkpoint=ckpt, directory=tmp_path, store=store,
+              recover=partial(recover_newest, roles, store, 1e-4))
+        restore = recover_newest(roles, store, config.checkpoint.shadow_tolerance)  # what a lost learner gets
+        assert restore.step == 3
+        roles.learner.save_pretrained(str(tmp_path / "final"))
+    finally:
+        placement.close()
+    assert {"train_step_with_logprobs", "export_weights", "checkpoint_state", "load_checkpoint_state",
+            "logprobs", "ref_logprobs", "save_pretrained", "policy_version"} <= seen_learner
+    assert {"generate", "load_weights"} <= seen_workers
+    assert seen_learner <= LEARNER_MEMBERS, sorted(seen_learner - LEARNER_MEMBERS)
+    assert seen_workers <= worker_members, sorted(seen_workers - worker_members)
+
+
 def _task(config: Any, plugins: Any) -> Any:
     from rlctl.placement.build import load_task
 

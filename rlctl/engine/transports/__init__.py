@@ -28,9 +28,14 @@ from rlctl.engine.weight_codec import ShardDraft, check_stored
 
 @runtime_checkable
 class Transport(Protocol):
-    """Moves one weight version: ``send`` on the publisher, ``fetch`` on a receiver."""
+    """Moves one weight version: ``send`` on the publisher, ``fetch`` on a receiver.
+
+    ``location``: where the last version sent went, for a receiver to read it
+    (the version's directory for the disk transport; "" when nothing names it).
+    """
 
     name: str
+    location: str
 
     def send(self, draft: WeightManifest, shards: Sequence[ShardDraft]) -> WeightManifest:
         """Move every shard, then make the version visible; return the committed manifest."""

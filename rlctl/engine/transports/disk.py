@@ -105,6 +105,11 @@ class DiskTransport:
 
     name = "disk"
 
+    @property
+    def location(self) -> str:
+        """The directory of the last version sent ("" before the first)."""
+        return str(self.last_dir or "")
+
     def __init__(self, root: str | Path, *, keep_versions: int = 2, extra_files: Sequence[str | Path] = ()) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1 (got {keep_versions}): readers need the newest version")

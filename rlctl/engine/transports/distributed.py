@@ -43,6 +43,7 @@ class DistTransport:
     """One member of a weight-broadcast group; rank 0 sends, every other rank fetches."""
 
     name = "distributed"
+    location = ""  # a version lives in the receivers' memory, not at a place a reader could open
 
     def __init__(self, *, rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1",
                  backend: str = "gloo", timeout_s: float = 60.0, join_timeout_s: float | None = None,
