@@ -64,7 +64,7 @@ from typing import Any, Mapping, Sequence
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
 from rlctl.kit import (
-    Broadcaster, DiskTransport, PublishReport, SyncOptions, await_confirmation, fault_site, report_recovery,
+    Broadcaster, PublishReport, SyncOptions, await_confirmation, fault_site, report_recovery, weight_transport,
 )
 from rlctl_sglang.client import ServerClient, ServerError
 from rlctl_sglang.options import SGLangOptions
@@ -86,7 +86,8 @@ class SGLangRollout:
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
         extra = [Path(ctx.model_dir) / n for n in ("config.json", "generation_config.json")]
         self.broadcaster = Broadcaster(
-            DiskTransport(root, keep_versions=options.keep_versions, extra_files=extra),
+            weight_transport(options.weight_sync, options.weight_sync_options, root, extra,
+                             where="rollout.options.weight_sync_options"),
             SyncOptions(encoding=options.encoding, delta=options.delta, bucket_bytes=options.bucket_bytes))
         self.fingerprint: str | None = None  # of the version being served (None until known)
         self.last_publish: PublishReport | None = None
@@ -180,6 +181,10 @@ class SGLangRollout:
             if force_full or held != str(report.manifest.base_version):
                 with self._lock:  # a full copy of the same version; later resyncs reuse it
                     report = self.last_publish = self.broadcaster.republish_full()
+        if not report.location:
+            raise RoleError(f"weight transport {self.options.weight_sync!r} published version {report.version} "
+                            "nowhere a server can read by path", "use rollout.options.weight_sync=disk (or another "
+                            "transport that writes a directory every server can read)")
         return report.location, report.manifest.fingerprint
 
     def _rewrite(self, location: str) -> tuple[str, str | None]:

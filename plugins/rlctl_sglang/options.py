@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -34,13 +34,15 @@ class SGLangOptions(BaseModel):
                                        "backoff, resyncing it before it serves), then fails naming the servers.")
     publish_dir: str | None = Field(None, description="Directory for published weight versions; every server must "
                                     "read it at the same path (shared disk). Default: a fresh temp dir on this host.")
-    weight_sync: Literal["disk"] = Field("disk", description="How weights reach the servers: 'disk' publishes a "
-                                         "version directory, then POSTs /update_weights_from_disk to each server.")
+    weight_sync: str = Field("disk", description="The weight transport (a name registered through "
+                             "register_weight_transports) that publishes each version where the servers can read it "
+                             "by path; then /update_weights_from_disk is POSTed to each server. Built in: disk.")
+    weight_sync_options: dict[str, Any] = Field(default_factory=dict, description="Options of the weight "
+                                                "transport, validated by its plugin (disk: keep_versions, default 2).")
     encoding: Literal["raw", "bf16", "fp8"] = Field("raw", description="Wire encoding of published weights; bf16 "
                                                     "and fp8 are dequantised by the receiver (fp8: rlctl servers only).")
     delta: bool = Field(False, description="Publish only what changed since the last version (rlctl servers only).")
     bucket_bytes: int = Field(256 << 20, ge=1024, description="Shard size of a published version.")
-    keep_versions: int = Field(2, ge=1, description="Committed versions kept in publish_dir.")
     sync_on_start: bool = Field(True, description="Load the run's starting model on every server at startup, so a "
                                 "server left at other weights never serves this run.")
 

@@ -392,6 +392,30 @@ class CriticBackend(Protocol):
 
 
 @runtime_checkable
+class WeightTransport(Protocol):
+    """Moves one weight version from the publisher to its readers (``register_weight_transports``).
+
+    ``send`` moves every shard and then makes the version visible at once
+    (never half of one); ``fetch`` returns the newest committed version with
+    its verified tensors. ``location`` is where the last version sent went,
+    for a reader to open (a directory for the disk transport; "" when nothing
+    names it, e.g. in-process hand-over).
+    """
+
+    name: str
+    location: str
+
+    def send(self, draft: Any, shards: Sequence[Any]) -> Any:
+        """Move ``shards`` (rlctl.engine.weight_codec.ShardDraft), then commit ``draft``; the committed
+        WeightManifest."""
+        ...
+
+    def fetch(self, timeout_s: float | None = None) -> tuple[Any, Mapping[str, Any]]:
+        """The newest committed version: its WeightManifest and its verified stored tensors."""
+        ...
+
+
+@runtime_checkable
 class ClosableLearner(Protocol):
     """A learner holding processes or actors besides this one (a sharded learner's ranks; optional): the run
     calls ``close`` when it ends, so none of them outlives it. Idempotent."""
@@ -417,4 +441,5 @@ ROLE_PROTOCOLS: dict[str, type] = {
     "advantage_estimator": AdvantageEstimator,
     "critic_backend": CriticBackend,
     "fault": Fault,
+    "weight_transport": WeightTransport,
 }

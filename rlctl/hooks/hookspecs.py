@@ -100,6 +100,19 @@ def register_faults(register: Register) -> None:
 
 
 @hookspec
+def register_weight_transports(register: Register) -> None:
+    """Register weight transports: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options, directory, extra_files)`` returns a WeightTransport:
+    ``directory`` is where the publisher may keep what it sends (a backend's
+    ``publish_dir``), ``extra_files`` the model files every version carries
+    (config.json, ...). A rollout backend that publishes weights to engines in
+    other processes builds its transport by name (``rlctl.kit.weight_transport``),
+    so a new transport (an object store, a shared-memory ring) is a plugin.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add CLI commands to the root ``typer.Typer`` (use ``app.command`` / ``app.add_typer``)."""
 

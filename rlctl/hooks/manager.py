@@ -41,6 +41,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "metric_sink": ("register_metric_sinks", "metric_sink", "metric sink"),
     "advantage_estimator": ("register_advantage_estimators", "advantage_estimator", "advantage estimator"),
     "fault": ("register_faults", "fault", "fault"),
+    "weight_transport": ("register_weight_transports", "weight_transport", "weight transport"),
 }
 
 

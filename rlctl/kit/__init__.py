@@ -24,6 +24,7 @@ version note. The groups:
 - weight publishing (rollout backends that serve weights elsewhere):
   ``apply_update`` (all-or-nothing swap into a served module),
   ``Broadcaster``, ``SyncOptions``, ``PublishReport``, ``DiskTransport``,
+  ``InProcessTransport``, ``weight_transport`` (a registered transport by name),
   ``await_confirmation``.
 - memory arithmetic (KV-cache budgets): ``ModelShape``, ``from_hf_config``,
   ``kv_cache_bytes``, ``kv_budget_rows``, ``fmt_bytes``, ``parse_bytes``.
@@ -67,6 +68,8 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "rlctl.engine.weight_apply": ("apply_update",),
         "rlctl.engine.weight_sync": ("Broadcaster", "SyncOptions", "PublishReport", "await_confirmation"),
         "rlctl.engine.transports.disk": ("DiskTransport",),
+        "rlctl.engine.transports.inprocess": ("InProcessTransport",),
+        "rlctl.kit.transports": ("weight_transport",),
     },
     "memory arithmetic": {
         "rlctl.planning.shapes": ("ModelShape", "from_hf_config"),

@@ -380,3 +380,21 @@ def test_hookspec_module_is_accepted_by_pluggy() -> None:
     pm = pluggy.PluginManager("rlctl")
     pm.add_hookspecs(hookspecs)
     assert {name for name, _ in _hookspecs()} <= {name for name in dir(pm.hook) if not name.startswith("_")}
+
+
+def test_hook_register_weight_transports(plugins, tmp_path):
+    """Weight transports are components like any backend: registered by a plugin, built by name with their
+    options validated, and checked against the WeightTransport Protocol; a rollout backend gets one through
+    rlctl.kit.weight_transport."""
+    from rlctl.contracts.errors import ConfigError, PluginError
+    from rlctl.contracts.roles import WeightTransport
+    from rlctl.kit import weight_transport
+
+    assert {"disk", "inprocess"} <= set(plugins.names("weight_transport"))
+    disk = weight_transport("disk", {"keep_versions": 3}, tmp_path / "pub", [])
+    assert isinstance(disk, WeightTransport) and disk.keep_versions == 3 and disk.location == ""
+    assert isinstance(weight_transport("inprocess", {}, tmp_path), WeightTransport)
+    with pytest.raises(ConfigError, match="keep_version"):
+        weight_transport("disk", {"keep_version": 3}, tmp_path / "pub")
+    with pytest.raises(PluginError, match="object-store"):
+        weight_transport("object-store", {}, tmp_path)

@@ -1,6 +1,6 @@
 """Weight transports: how encoded shards get from the publisher to receivers.
 
-What this is: the ``Transport`` interface and the helpers every transport
+What this is: the helpers every transport (rlctl.contracts.roles.WeightTransport)
 shares (a shard is a safetensors blob named by its sha256). Three transports
 sit side by side behind it, each with its ordering invariant:
 
@@ -24,26 +24,6 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightManifest, WeightShard
 from rlctl.engine.weight_codec import ShardDraft, check_stored
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Moves one weight version: ``send`` on the publisher, ``fetch`` on a receiver.
-
-    ``location``: where the last version sent went, for a receiver to read it
-    (the version's directory for the disk transport; "" when nothing names it).
-    """
-
-    name: str
-    location: str
-
-    def send(self, draft: WeightManifest, shards: Sequence[ShardDraft]) -> WeightManifest:
-        """Move every shard, then make the version visible; return the committed manifest."""
-        ...
-
-    def fetch(self, timeout_s: float | None = None) -> tuple[WeightManifest, dict[str, Any]]:
-        """The newest committed version: its manifest and its verified stored tensors."""
-        ...
 
 
 _ST_DTYPES = {
@@ -118,4 +98,4 @@ def load_blob(manifest: WeightManifest, shard: WeightShard, data: bytes | memory
     return stored
 
 
-__all__ = ["Transport", "safetensors_parts", "serialize", "sha256_hex", "load_blob"]
+__all__ = ["safetensors_parts", "serialize", "sha256_hex", "load_blob"]
