@@ -54,7 +54,7 @@ class StepEnd:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Write the step's metrics where due; whether the budget is spent (the loop stops after this step)."""
-        spent = self.spec.spent(self.generated_total)
+        spent = self.spec.spent(metrics["generated_tokens_total"])
         if self.spec.logs(step, spent):
             for sink in self.sinks:
                 sink.write(step, metrics)

@@ -106,6 +106,7 @@ class _Overlapped:
                     metrics = self._step(step, end)
                     spent = end.log(step, metrics)
                     self._save(end, step, metrics)
+                    end.count(metrics["generated_tokens"])  # once the step is done: a redone step counts once
                 except LearnerLost as err:
                     step = self._recover_learner(err)
                     continue
@@ -183,7 +184,7 @@ class _Overlapped:
         with counters.lock:  # the latencies of the groups generated while this step waited for them
             latencies, counters.latencies = counters.latencies, []
         outcome = self._train(step, version, taken, {"T_r": time.perf_counter() - t0, "T_v": 0.0}, latencies, {
-            "generated_tokens": float(consumed), "generated_tokens_total": end.count(consumed),
+            "generated_tokens": float(consumed), "generated_tokens_total": end.generated_total + consumed,
             "learner_wait_s": taken.waited_s, "learner_restarts": float(self.learner_restarts)})
         self._admit(step + 1, outcome.version)
         with counters.lock:
