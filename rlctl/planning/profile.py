@@ -129,15 +129,19 @@ def profile_run(run: str, *, registry: Any, compare: Sequence[str] = (), out: Pa
 
 
 def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str], out: Path | None) -> ProfileReport:
-    steps = read_steps(registry, run_id)
+    from rlctl.config.models import RunConfig
+    from rlctl.engine.spec import overlapped
+
+    through_queue = overlapped(RunConfig.model_validate(registry.get_run(run_id).config))
+    steps = read_steps(registry, run_id, through_queue)
     notes = []
     if any(s.wall_s is None for s in steps):
         notes.append("per-step wall time was not recorded for this run (only `rlctl profile CONFIG` records it); "
                      "the stage sum stands in for the wall time and 'other' is unknown")
-    overlap = overlap_note(steps)
+    overlap = overlap_note(steps) if through_queue else ""
     if overlap:
         notes.append(overlap)
-    placements = [measured_placement(steps, "overlapped" if overlap else "sync")]
+    placements = [measured_placement(steps, "overlapped" if through_queue else "sync")]
     for name in compare:
         if name.startswith("split"):
             placements += split_estimates(steps, name)
@@ -152,7 +156,9 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
     return report
 
 
-def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
+def read_steps(registry: Any, run_id: str, through_queue: bool) -> list[StepTimes]:
+    """Each step's stage times and tokens; ``through_queue``: the run took the overlapped driver, whose T_r is the
+    learner's wait for a batch (so its tokens/s are per whole step), where the synchronous loop's are per T_r."""
     names = [*STAGES, WALL_METRIC, "generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s",
              *OVERLAP_METRICS]
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
@@ -162,8 +168,7 @@ def read_steps(registry: Any, run_id: str) -> list[StepTimes]:
     if not rows:
         raise RegistryError(f"run {run_id} has no per-step stage times (T_r, T_v, T_l, T_s)",
                             "profile a run trained by this version of rlctl, or profile its CONFIG")
-    # the overlapped driver's tokens/s are per step (its T_r is a wait), the synchronous loop's per T_r
-    per = {step: sum(m[k] for k in STAGES) if "learner_wait_s" in m else m["T_r"] for step, m in rows}
+    per = {step: sum(m[k] for k in STAGES) if through_queue else m["T_r"] for step, m in rows}
     return [StepTimes(step=step, stages={k: m[k] for k in STAGES}, wall_s=m.get(WALL_METRIC),
                       generated_tokens=m.get("generated_tokens_per_s", 0.0) * per[step],
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
@@ -177,8 +182,6 @@ def _mean_stages(steps: Sequence[StepTimes]) -> dict[str, float]:
 
 def overlap_note(steps: Sequence[StepTimes]) -> str:
     """For an overlapped run: what T_r means there, and how long each side waited for the other."""
-    if not all("learner_wait_s" in s.overlap for s in steps):
-        return ""
     mean = lambda k: statistics.fmean(s.overlap.get(k, 0.0) for s in steps)  # noqa: E731
     t_l = statistics.fmean(s.stages["T_l"] for s in steps)
     return (f"overlapped run: T_r is the learner's wait for a batch (mean {mean('learner_wait_s'):.3g}s/step), not "

@@ -109,8 +109,8 @@ def test_an_overlapped_run_is_labelled_and_its_waits_explained(registry):
     """T_r of an overlapped step is the learner's wait: the report says so and shows both sides' waits."""
     from rlctl.planning.profile import build_report
 
-    run = registry.create_run(name="o", config={}, config_hash="h", code_version="c", dataset_version="d",
-                              tokenizer_hash="t", seed=0, run_dir="")
+    run = registry.create_run(name="o", config={"mode": "async"}, config_hash="h", code_version="c",
+                              dataset_version="d", tokenizer_hash="t", seed=0, run_dir="")
     for step in range(3):
         registry.log_metrics(run.id, step, {"T_r": 0.1, "T_v": 0.0, "T_l": 0.9, "T_s": 0.02,
                                             "generated_tokens_per_s": 100.0, "learner_wait_s": 0.1,
