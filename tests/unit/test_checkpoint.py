@@ -301,7 +301,7 @@ def test_keep_last_must_be_positive(tmp_path):
 
 def test_at_most_one_save_in_flight(tmp_path, tok_dir, monkeypatch):
     active, peak = [0], [0]
-    real = ckpt._write_file
+    real = ckpt.write_file
 
     def slow(root, rel, data):
         active[0] += 1
@@ -312,7 +312,7 @@ def test_at_most_one_save_in_flight(tmp_path, tok_dir, monkeypatch):
         finally:
             active[0] -= 1
 
-    monkeypatch.setattr(ckpt, "_write_file", slow)
+    monkeypatch.setattr(ckpt, "write_file", slow)
     store = DiskCheckpointStore(tmp_path / "ck", keep_last=5)
     store.save(make_state(2, tok_dir))
     assert store.in_flight
@@ -324,7 +324,7 @@ def test_at_most_one_save_in_flight(tmp_path, tok_dir, monkeypatch):
 
 def test_close_abort_abandons_the_save_cleanly(tmp_path, tok_dir, monkeypatch):
     started, release = threading.Event(), threading.Event()
-    real = ckpt._write_file
+    real = ckpt.write_file
 
     def gated(root, rel, data):
         if rel == "optimizer.safetensors":
@@ -336,7 +336,7 @@ def test_close_abort_abandons_the_save_cleanly(tmp_path, tok_dir, monkeypatch):
     store = DiskCheckpointStore(tmp_path / "ck", keep_last=1, warn=warnings.append)
     store.save(make_state(2, tok_dir))
     store.wait()
-    monkeypatch.setattr(ckpt, "_write_file", gated)
+    monkeypatch.setattr(ckpt, "write_file", gated)
     store.save(make_state(4, tok_dir))
     assert started.wait(5)
     threading.Timer(0.05, release.set).start()
@@ -349,14 +349,14 @@ def test_disk_full_fails_loudly_and_keeps_the_previous_checkpoint(tmp_path, tok_
     store = DiskCheckpointStore(tmp_path / "ck", keep_last=1)
     store.save(make_state(2, tok_dir))
     store.wait()
-    real = ckpt._write_file
+    real = ckpt.write_file
 
     def full(root, rel, data):
         if rel == "state.json":
             raise OSError(28, "No space left on device")
         return real(root, rel, data)
 
-    monkeypatch.setattr(ckpt, "_write_file", full)
+    monkeypatch.setattr(ckpt, "write_file", full)
     store.save(make_state(4, tok_dir))
     with pytest.raises(CheckpointError, match="step-000004 failed.*No space left") as err:
         store.wait()
