@@ -126,8 +126,8 @@ async def _body(request: Request, routes: Routes, http: HttpOptions) -> Any:
     """The request's JSON body (None when it has none); ApiError for every refusal."""
     if "transfer-encoding" in request.headers:
         raise ApiError(411, "chunked request bodies are not accepted; send Content-Length")
-    declared = request.headers.get("content-length")
-    length = int(declared) if declared else 0  # h11 has checked it is a number
+    declared = {v.strip() for v in request.headers.get("content-length", "0").split(",")}
+    length = int(declared.pop()) if len(declared) == 1 else 0  # h11 accepted it: digits, repeats all equal
     if length > routes.max_body_bytes:
         raise ApiError(413, f"body of {length} bytes is over this server's limit of {routes.max_body_bytes}")
     if length == 0:
