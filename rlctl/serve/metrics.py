@@ -32,7 +32,8 @@ _METHODS = {"GET", "HEAD", "POST"}
 class ServeMetrics:
     """One server's registry; ``collect()`` yields the service's own families at every scrape."""
 
-    def __init__(self, collect: Callable[[], Iterable[Any]] | None = None) -> None:
+    def __init__(self, collect: Callable[[], Iterable[Any]] | None = None, *, engine: bool = True) -> None:
+        """``engine``: also the per-batch histograms (a server with a model thread)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry = CollectorRegistry(auto_describe=True)
@@ -44,10 +45,11 @@ class ServeMetrics:
                                  ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.in_progress = Gauge("rlctl_http_requests_in_progress", "Requests admitted and not yet answered",
                                  registry=registry)
-        self.batch_rows = Histogram("rlctl_engine_batch_rows", "Rows (sequences) per engine batch",
-                                    buckets=_ROW_BUCKETS, registry=registry)
-        self.batch_seconds = Histogram("rlctl_engine_batch_seconds", "Engine time per batch",
-                                       buckets=_LATENCY_BUCKETS, registry=registry)
+        if engine:
+            self.batch_rows = Histogram("rlctl_engine_batch_rows", "Rows (sequences) per engine batch",
+                                        buckets=_ROW_BUCKETS, registry=registry)
+            self.batch_seconds = Histogram("rlctl_engine_batch_seconds", "Engine time per batch",
+                                           buckets=_LATENCY_BUCKETS, registry=registry)
         if collect is not None:
             registry.register(_Collector(collect))
 
