@@ -370,3 +370,13 @@ def test_the_servers_are_healthy_after_the_generated_heads(rollout: Target, rewa
     for target in (rollout, reward):
         target.healthy()
         assert wait_until(lambda: target.live.service.worker.idle)
+
+
+def test_answers_are_not_held_back_by_nagle(rollout: Target) -> None:
+    """Accepted sockets get TCP_NODELAY (asyncio sets it only when the listener's proto is IPPROTO_TCP); without it
+    an answer's body waited for the client's delayed ACK, ~40 ms a request (bench/serve_http.py)."""
+    listener = rollout.live.server._sock
+    assert listener.proto == socket.IPPROTO_TCP
+    with socket.create_connection(("127.0.0.1", rollout.live.port), timeout=5) as sock:
+        sock.sendall(raw_request("GET", "/health", port=rollout.live.port))
+        assert [status for status, _, _ in read_responses(sock, quiet_s=0.5)] == [200]
