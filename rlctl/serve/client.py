@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
+from rlctl.serve.http_common import check_api_key
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -55,7 +56,7 @@ def call_json(url: str, method: str, path: str, body: Any = None, *, timeout_s: 
     """The decoded JSON answer (or text) of ``method url+path``; raises CallError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+        headers["Authorization"] = f"Bearer {check_api_key(api_key)}"  # ASCII: the bytes every server compares
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
