@@ -61,7 +61,7 @@ def findings(text: str) -> list[tuple[int, str]]:
                 found.append((number, f"IPv4 literal {literal} outside 127.0.0.0/8"))
         hosts = [(m.group(1), _host_of(m.group(3))) for m in _CALL.finditer(line)]
         if _NET_LINE.search(line):
-            hosts += [("address", m.group(2)) for m in _TUPLE.finditer(line)]
+            hosts += [("address", m.group(2)) for m in _TUPLE.finditer(line) if re.search(r"\w", m.group(2))]
         hosts += [(f"`{m.group(1)}`", _host_of(m.group(2))) for m in _SHELL.finditer(line)
                   if _HOSTNAME.match(_host_of(m.group(2))) or "://" in m.group(2)]
         for what, host in hosts:
@@ -94,6 +94,7 @@ def test_the_grep_catches_what_it_is_for() -> None:
             "headers={'Origin': 'http://evil.example'}", "create_server(('0.0.0.0', 0))", "version 5.24.0",
             "urlopen(self.url + path)", "HTTPConnection('localhost', port)", "connect('{unix}')",
             "curl -s http://127.0.0.1:30000/metrics", "pip install torch==2.13.0.1", "dig the nonce out",
-            "s.sendto(b'x', ('127.0.0.1', {udp_port}))", "the host listener.", "ping me"]
+            "s.sendto(b'x', ('127.0.0.1', {udp_port}))", "the host listener.", "ping me",
+            "socket.create_connection(('127.0.0.1', int(url.rsplit(':', 1)[1])))"]
     for sample in good:
         assert not findings(sample), (sample, findings(sample))
