@@ -8,7 +8,8 @@ run with this interpreter and ``PYTHONPATH=BASELINE:BASELINE/plugins``. Same mod
 random-weight tiny Qwen2 with the character tokenizer (bench/_shapes.py "tiny") and the tiny reward model
 (rlctl.models.reward_model). The load generator runs on CPU 1 (when there is one): 1 or 16 client
 threads, each on one keep-alive connection, each sending ``--requests`` requests back to back --
-/generate of 4 prompt tokens and 4 greedy new tokens, /score of one short pair. Rows are interleaved
+/generate of 4 prompt tokens and 4 greedy new tokens, /score of one short pair, and GET /health (the
+HTTP path alone: no model work, an empty answer). Rows are interleaved
 (before, after, before, ...) over ``--repeats``; the table shows medians, the after/before ratio, and
 p99 latency over every request of every repeat, and the mean rows per engine batch (server counters). ``--batch-wait-ms`` (default 0) is given to every
 server, so the HTTP path, not the batching window, is what a 1-client row measures.
@@ -32,9 +33,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _setup import REPO  # noqa: E402  (one thread, offline; must precede torch)
 
-BODIES = {"rollout": ("/generate", {"input_ids": [1, 20, 21, 22], "sampling_params": {"max_new_tokens": 4,
-                                                                                     "temperature": 0.0}}),
-          "reward": ("/score", {"prompt": "Compute 12 plus 30: ", "response": "42"})}
+# row name -> (server kind, method, path, JSON body); "health" is the HTTP path alone (no model work, no body)
+ROWS = {"rollout": ("rollout", "POST", "/generate", {"input_ids": [1, 20, 21, 22],
+                                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}),
+        "reward": ("reward", "POST", "/score", {"prompt": "Compute 12 plus 30: ", "response": "42"}),
+        "health": ("rollout", "GET", "/health", None)}
 
 
 def start(root: Path, kind: str, model: Path, batch_wait_ms: float) -> tuple[subprocess.Popen, int]:
@@ -49,10 +52,10 @@ def start(root: Path, kind: str, model: Path, batch_wait_ms: float) -> tuple[sub
     return proc, int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
 
 
-def burst(port: int, kind: str, clients: int, requests: int) -> tuple[float, list[float]]:
+def burst(port: int, row: str, clients: int, requests: int) -> tuple[float, list[float]]:
     """(requests/s, every latency) for ``clients`` threads on their own keep-alive connection."""
-    path, body = BODIES[kind]
-    data = json.dumps(body).encode()
+    _, method, path, body = ROWS[row]
+    data = None if body is None else json.dumps(body).encode()
     latencies: list[list[float]] = [[] for _ in range(clients)]
     failures: list[str] = []
 
@@ -61,7 +64,7 @@ def burst(port: int, kind: str, clients: int, requests: int) -> tuple[float, lis
         try:
             for _ in range(requests):
                 started = time.perf_counter()
-                conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 resp.read()
                 latencies[k].append(time.perf_counter() - started)
@@ -122,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             for (v, kind), (_, port) in servers.items():
                 burst(port, kind, 2, 20)  # warm up
             for _ in range(args.repeats):
-                for kind in models:
+                for kind in ROWS:
                     for clients in (1, 16):
                         for v in sorted(versions, reverse=True):  # before, then after
-                            port = servers[(v, kind)][1]
+                            port = servers[(v, ROWS[kind][0])][1]
                             b0, r0 = batches(port)
                             rate, times = burst(port, kind, clients, args.requests)
                             b1, r1 = batches(port)
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
     print(f"{args.requests} requests per client, median of {args.repeats} interleaved repeats; servers on CPU 0, "
           f"clients on CPU 1; --batch-wait-ms {args.batch_wait_ms:g}")
-    print(f"{'server':<8} {'clients':>7} {'version':<8} {'req/s':>9} {'x before':>9} {'p99 ms':>8} {'x before':>9} "
+    print(f"{'row':<8} {'clients':>7} {'version':<8} {'req/s':>9} {'x before':>9} {'p99 ms':>8} {'x before':>9} "
           f"{'rows/batch':>11}")
     for (kind, clients, v), rates in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "before")):
         base = rows.get((kind, clients, "before"))
@@ -146,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{rate / statistics.median(base):>8.2f}x" if base else f"{'':>9}"
         tail_ratio = f"{tail / (p99(lat[(kind, clients, 'before')]) * 1000):>8.2f}x" if base else ""
         counts = sizes[(kind, clients, v)]
-        per_batch = sum(counts[1::2]) / max(1, sum(counts[0::2]))
-        print(f"{kind:<8} {clients:>7} {v:<8} {rate:>9.1f} {ratio} {tail:>8.2f} {tail_ratio or '':>9} {per_batch:>11.2f}")
+        per_batch = f"{sum(counts[1::2]) / sum(counts[0::2]):.2f}" if sum(counts[0::2]) else "-"
+        print(f"{kind:<8} {clients:>7} {v:<8} {rate:>9.1f} {ratio} {tail:>8.2f} {tail_ratio or '':>9} {per_batch:>11}")
     return 0
 
 

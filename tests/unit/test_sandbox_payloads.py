@@ -190,7 +190,7 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "        socket.create_connection(('127.0.0.1', port), timeout=1).sendall(b'ESCAPED ' + b'{token}')\n"
      "        print('ESCAPED:connected', port)\n    except OSError: pass\ndef answer(): return 42", {PASSED}),
     ("udp-exfil", "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-     "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port}))", {FAILED, PASSED}),
+     "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port}))\ndef answer(): return 42", {PASSED}),
     ("raw-icmp", "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)", {FAILED}),
     ("unix-socket", "import socket\ns = socket.socket(socket.AF_UNIX); s.connect('{unix}')", {FAILED}),
     ("list-interfaces", "import socket\nnames = [n for _, n in socket.if_nameindex()]\n"
