@@ -57,69 +57,72 @@ def _raw_answer(status: int, reason: str, payload: Any) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def protocol_class(routes: Routes, http: HttpOptions) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with this server's head/drain deadlines and error shape."""
-    deadline_s = http.read_timeout_s
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with head / drain deadlines and JSON 400s (``protocol_class`` sets the two below)."""
 
-    class _Protocol(H11Protocol):
-        _timer: asyncio.TimerHandle | None = None
-        _phase: str | None = None
+    deadline_s: float = 10.0
+    routes: Routes
+    _timer: asyncio.TimerHandle | None = None
+    _phase: str | None = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._track()
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._track()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._arm(None)
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        super().connection_lost(exc)
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            self._track()
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._track()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._track()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
 
-        def send_400_response(self, msg: str) -> None:
-            self._arm(None)
-            if not self.transport.is_closing():
-                self.transport.write(_raw_answer(400, "Bad Request", routes.error_body(
-                    "", "malformed HTTP request (request line, headers or Content-Length); nothing was run")))
-                self.transport.close()
-
-        def _track(self) -> None:
-            """Arm the deadline of the phase the connection is in; a phase keeps its first deadline."""
-            theirs, ours = self.conn.their_state, self.conn.our_state
-            if self.transport is None or self.transport.is_closing():
-                phase = None
-            elif theirs is h11.IDLE and ours is h11.IDLE:
-                phase = "head"  # waiting for (the rest of) a request line and headers
-            elif theirs is h11.SEND_BODY and ours in (h11.DONE, h11.MUST_CLOSE):
-                phase = "drain"  # answered; discarding the body it did not read
-            else:
-                phase = None  # the app reads the body under its own deadline, or works, or answers
-            if phase != self._phase:
-                self._arm(phase)
-
-        def _arm(self, phase: str | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._phase, self._timer = phase, None
-            if phase is not None:
-                self._timer = self.loop.call_later(deadline_s, self._expired)
-
-        def _expired(self) -> None:
-            started = bool(self.conn.trailing_data[0])  # part of a request head has arrived
-            self._arm(None)
-            if self.transport.is_closing():
-                return
-            if started and self.conn.their_state is h11.IDLE:
-                self.transport.write(_raw_answer(408, "Request Timeout", routes.error_body(
-                    "", f"request line and headers incomplete after {deadline_s:g}s")))
+    def send_400_response(self, msg: str) -> None:
+        self._arm(None)
+        if not self.transport.is_closing():
+            self.transport.write(_raw_answer(400, "Bad Request", self.routes.error_body(
+                "", "malformed HTTP request (request line, headers or Content-Length); nothing was run")))
             self.transport.close()
 
-    return _Protocol
+    def _track(self) -> None:
+        """Arm the deadline of the phase the connection is in; a phase keeps its first deadline."""
+        theirs, ours = self.conn.their_state, self.conn.our_state
+        if self.transport is None or self.transport.is_closing():
+            phase = None
+        elif theirs is h11.IDLE and ours is h11.IDLE:
+            phase = "head"  # waiting for (the rest of) a request line and headers
+        elif theirs is h11.SEND_BODY and ours in (h11.DONE, h11.MUST_CLOSE):
+            phase = "drain"  # answered; discarding the body it did not read
+        else:
+            phase = None  # the app reads the body under its own deadline, or works, or answers
+        if phase != self._phase:
+            self._arm(phase)
+
+    def _arm(self, phase: str | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._phase, self._timer = phase, None
+        if phase is not None:
+            self._timer = self.loop.call_later(self.deadline_s, self._expired)
+
+    def _expired(self) -> None:
+        started = bool(self.conn.trailing_data[0])  # part of a request head has arrived
+        self._arm(None)
+        if self.transport.is_closing():
+            return
+        if started and self.conn.their_state is h11.IDLE:
+            self.transport.write(_raw_answer(408, "Request Timeout", self.routes.error_body(
+                "", f"request line and headers incomplete after {self.deadline_s:g}s")))
+        self.transport.close()
+
+
+def protocol_class(routes: Routes, http: HttpOptions) -> type[H11Protocol]:
+    """The protocol class of one server: its deadline and error shape (uvicorn builds one per connection)."""
+    return type("ServerProtocol", (_Protocol,), {"deadline_s": http.read_timeout_s, "routes": routes})
 
 
 class _Uvicorn(Server):
