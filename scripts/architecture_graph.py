@@ -51,11 +51,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("algo", "storage"),
     ("models",),
     ("engine", "registry"),
-    ("placement",),
+    ("placement", "serve"),
     ("incidents",),
     ("lifecycle",),
     ("planning",),
-    ("serve",),
     ("cli",),
     ("kit",),
 )

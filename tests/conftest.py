@@ -86,6 +86,27 @@ def tiny_reward_model_dir(tmp_path_factory):
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm") / "rm", seed=0)
 
 
+@pytest.fixture(scope="session")
+def _sandbox_problem() -> str | None:
+    """Why the code reward's jail cannot run here (None when it can), checked once per session."""
+    try:
+        from rlctl_rewards.sandbox import Sandbox, SandboxUnavailable
+    except ImportError as err:  # pragma: no cover - the rewards plugin ships with rlctl
+        return f"the rewards plugin is not importable: {err}"
+    try:
+        Sandbox().check()
+    except SandboxUnavailable as err:
+        return str(err)  # names the fix, e.g. "apt-get install -y bubblewrap" when bwrap is missing
+    return None
+
+
+@pytest.fixture
+def needs_sandbox(_sandbox_problem) -> None:
+    """Skip a test that runs code in the bubblewrap jail where the jail cannot start (CI: a failure)."""
+    if _sandbox_problem is not None:
+        pytest.skip(_sandbox_problem)
+
+
 # Tables tests want printed after the run (e.g. the sandbox payload -> outcome table), title -> lines.
 SUMMARY_TABLES: dict[str, list[str]] = {}
 

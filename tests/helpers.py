@@ -1,4 +1,5 @@
-"""Shared test helpers: one rollout batch from a session, its logprob mismatch, an in-process HTTP server."""
+"""Shared test helpers: one rollout batch from a session, its logprob mismatch, an in-process HTTP server,
+raw HTTP conversations that read every response on a connection, and hostile text for hypothesis."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 
 from rlctl.contracts.types import LearnerContext, RolloutRequest
 
@@ -109,3 +111,77 @@ def http_status(response: bytes) -> int:
     """The status code of a raw HTTP response."""
     assert response.startswith(b"HTTP/1."), f"no HTTP response: {response[:200]!r}"
     return int(response.split(b" ", 2)[1])
+
+
+def read_responses(sock: socket.socket, quiet_s: float = 1.0, limit: int = 8) -> list[tuple[int, dict, bytes]]:
+    """Every complete response the server sends on ``sock`` until it closes the connection or is quiet for
+    ``quiet_s`` (or ``limit`` responses): (status, lower-cased headers, body) each. Reading them all is how
+    a request smuggled in a body would show up: as a second response."""
+    out, buf = [], b""
+    sock.settimeout(quiet_s)
+    while len(out) < limit:
+        while b"\r\n\r\n" in buf:
+            head, _, rest = buf.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            length = int(headers.get("content-length", "0"))
+            if len(rest) < length:
+                break
+            out.append((int(lines[0].split(" ", 2)[1]), headers, rest[:length]))
+            buf = rest[length:]
+            if len(out) >= limit:
+                return out
+        try:
+            chunk = sock.recv(65536)
+        except (socket.timeout, ConnectionResetError):
+            return out
+        if not chunk:
+            return out
+        buf += chunk
+    return out
+
+
+def raw_request(method: str, path: str, body: bytes = b"", *, port: int, headers: dict | None = None) -> bytes:
+    """One HTTP/1.1 request as bytes (Host 127.0.0.1:port, JSON content type unless overridden)."""
+    sent = {"Host": f"127.0.0.1:{port}", "Content-Type": "application/json", "Content-Length": str(len(body)),
+            **(headers or {})}
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in sent.items() if v is not None)
+    return (head + "\r\n").encode("latin-1") + body
+
+
+def hold_slow_headers(port: int, count: int, stop: threading.Event) -> list[socket.socket]:
+    """``count`` connections that send a request head one byte at a time, ~1 byte/s, until ``stop``."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
+    head = f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Slow: ".encode() + b"a" * 64
+
+    def trickle() -> None:
+        for i in range(len(head)):
+            if stop.wait(1.0):
+                return
+            for sock in socks:
+                try:
+                    sock.sendall(head[i:i + 1])
+                except OSError:
+                    pass
+
+    threading.Thread(target=trickle, daemon=True).start()
+    for sock in socks:
+        sock.sendall(head[:1])
+    return socks
+
+
+def wait_until(predicate, timeout_s: float = 5.0, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True
+
+
+def hostile_text(max_size: int):
+    """Hypothesis text that includes lone surrogates, control characters and format characters."""
+    from hypothesis import strategies as st
+
+    special = st.sampled_from(["\ud800", "\udfff", "\udc80", "\x00", "\x1b", "\x7f", "\u202e", "\ufeff", "\r", "\n"])
+    return st.lists(st.characters(exclude_categories=()) | special, max_size=max_size).map("".join)

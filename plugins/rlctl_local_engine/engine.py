@@ -188,6 +188,11 @@ class LocalEngine:
         self.fingerprint = apply_update(self.model, update)
         self.policy_version = update.version
 
+    def generate_cancellable(self, requests: Sequence[RolloutRequest],
+                             cancelled: Callable[[], Collection[int]]) -> list[Trajectory]:
+        """CancellableRollout: ``generate``, stopping the rows of the requests ``cancelled()`` names."""
+        return self.generate(requests, cancelled=cancelled)
+
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         """The weights being served (read only: the base a delta weight update is applied to)."""
         return self.model.state_dict()

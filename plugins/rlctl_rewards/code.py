@@ -2,23 +2,32 @@
 
 What this is: code extraction (``extract_code``: the last fenced block, a
 python-labelled one first, else the raw text), test parsing (``parse_tests``),
-and ``CodeReward``, which runs the candidate plus tests in one jailed
-``python3 -I -S`` (rlctl_rewards.sandbox) and scores the fraction of tests
-passed (or 1.0 only when all pass, ``score: all``).
+and ``CodeReward``, which runs the candidate and its tests in one jail
+(rlctl_rewards.sandbox; ``python3 -I -S``, the candidate and the tests in two
+processes, see below) and scores the fraction of tests passed (or 1.0 only
+when all pass, ``score: all``).
 
 The reference (the task row's ``answer``) holds the tests, either as Python
 source or as a JSON list of statements (MBPP's ``test_list``). Top-level
 ``assert`` statements and ``def test_*()`` functions are tests; every other
 top-level statement (imports, helpers) is setup run before them.
 
-Grader tampering: results never come from stdout (the candidate's prints go to
-stderr) but from nonce-tagged records; a missing record is a failed test, a
-repeated one voids the test, so exiting early is never a pass. For a test of
-the form ``assert EXPR == LITERAL`` the expected value never enters the jail:
-the jail sends back EXPR's value, encoded only if it is made of plain built-in
-types (no ``__eq__`` tricks, no subclasses), and the comparison happens here.
-Other tests report pass/fail from inside the jail, so a program that digs
-the nonce out of the harness's memory could forge them; prefer value tests.
+Grader tampering -- the property: **every verdict comes from a process the
+graded code has no handle on.** In the jail, the harness
+(rlctl_rewards.jail_harness) forks the solution into its own process before
+it learns the job, so the solution never holds the tests, the nonce, or a
+descriptor of the stream verdicts travel on, and cannot read the harness's
+memory (it is non-dumpable). The tests run in the harness process and reach
+the solution only through a pipe that carries plain data (exact built-in
+types) and calls on the solution's objects; equality is never asked of the
+solution, and names it defines that shadow built-ins are dropped. So a
+program that exits early, prints sentinels, writes forged records to every
+descriptor it has, or searches its own memory for the harness scores as
+what it is: a missing or failed test. Verdicts are nonce-tagged records on
+the harness's stdout; a missing record is a failed test, a repeated one
+voids it. For a test of the form ``assert EXPR == LITERAL`` the expected
+value never enters the jail at all: the harness sends back EXPR's value and
+the comparison happens here.
 
 Outcomes: "passed" / "failed" (with counts) are scores. A program past the
 wall clock, the output cap or the memory cap failed (``on_timeout: exclude``
@@ -39,11 +48,13 @@ import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlctl import RewardResult, Trajectory
+from rlctl_rewards import jail_harness
 from rlctl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxUnavailable
 
 VERSION = "1.0"
@@ -132,31 +143,9 @@ class _StrictEq(ast.NodeTransformer):
         return node
 
 
-def _encode(value: Any, depth: int = 0) -> Any:
+def _encode(value: Any) -> Any:
     """A JSON form of plain built-in data, exact types only; None when anything else is inside."""
-    kind = type(value)
-    if depth > 50:
-        return None
-    if value is None or kind is bool or kind is str:
-        return [kind.__name__, value]
-    if kind is int:
-        return ["int", str(value)] if abs(value) < 10**4000 else None
-    if kind is float:
-        return ["float", repr(value)]
-    if kind is complex:
-        return ["complex", [repr(value.real), repr(value.imag)]]
-    if kind in (list, tuple):
-        items = [_encode(v, depth + 1) for v in value]
-        return None if any(i is None for i in items) else [kind.__name__, items]
-    if kind in (set, frozenset):
-        items = [_encode(v, depth + 1) for v in value]
-        return None if any(i is None for i in items) else [kind.__name__, sorted(json.dumps(i) for i in items)]
-    if kind is dict:
-        pairs = [(_encode(k, depth + 1), _encode(v, depth + 1)) for k, v in value.items()]
-        if any(k is None or v is None for k, v in pairs):
-            return None
-        return ["dict", sorted([json.dumps(k), v] for k, v in pairs)]
-    return None
+    return jail_harness.enc(value, None)
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -183,81 +172,8 @@ def _same(got: Any, want: Any) -> bool:
     return gv == wv
 
 
-# Runs inside the jail as ``python3 -I -S -c RUNNER``; the job arrives on stdin.
-# Records go to a private copy of stdout; the candidate's fd 1 is pointed at stderr.
-RUNNER = r'''
-import json, os, sys
-_job = json.loads(sys.stdin.buffer.read())
-sys.stdin.close()
-_nonce, _fd = _job["nonce"], os.dup(1)
-os.dup2(2, 1)
-_write, _dumps = os.write, json.dumps
-def _rec(**kw):
-    kw["n"] = _nonce
-    _write(_fd, (_dumps(kw) + "\n").encode())
-def _enc(value, depth=0):
-    k = type(value)
-    if depth > 50: return None
-    if value is None or k is bool or k is str: return [k.__name__, value]
-    if k is int: return ["int", str(value)] if abs(value) < 10**4000 else None
-    if k is float: return ["float", repr(value)]
-    if k is complex: return ["complex", [repr(value.real), repr(value.imag)]]
-    if k in (list, tuple):
-        items = [_enc(v, depth + 1) for v in value]
-        return None if any(i is None for i in items) else [k.__name__, items]
-    if k in (set, frozenset):
-        items = [_enc(v, depth + 1) for v in value]
-        return None if any(i is None for i in items) else [k.__name__, sorted(_dumps(i) for i in items)]
-    if k is dict:
-        pairs = [(_enc(a, depth + 1), _enc(b, depth + 1)) for a, b in value.items()]
-        if any(a is None or b is None for a, b in pairs): return None
-        return ["dict", sorted([_dumps(a), b] for a, b in pairs)]
-    return None
-def _same(a, b):
-    num = (int, float)
-    if type(a) in num and type(b) in num: return a == b
-    ea, eb = _enc(a), _enc(b)
-    if ea is not None and eb is not None: return ea == eb
-    return type(a) is type(b) and type(a).__eq__ is object.__eq__ and a == b
-def _why(err):
-    return (type(err).__name__ + ": " + str(err))[:300]
-_rec(ready=True)
-_ns = {"__name__": "solution", "__builtins__": __builtins__}
-try:
-    exec(compile(_job["code"], "solution.py", "exec"), _ns)
-    _loaded = None
-except BaseException as err:
-    _loaded = "solution raised " + _why(err)
-if _loaded is None:
-    try:
-        exec(compile(_job["setup"], "tests.py", "exec"), _ns)
-    except BaseException as err:
-        _loaded = "test setup raised " + _why(err)
-for _i, _t in enumerate(_job["tests"]):
-    if _loaded is not None:
-        _rec(i=_i, ok=False, error=_loaded)
-        continue
-    _ns["__rlctl_same__"] = _same
-    try:
-        if _t["kind"] == "value":
-            _v = _enc(eval(compile(_t["src"], "tests.py", "eval"), _ns))
-            if _v is None:
-                _rec(i=_i, ok=False, error="value is not plain built-in data")
-            else:
-                _rec(i=_i, ok=True, value=_v)
-        elif _t["kind"] == "assert":
-            exec(compile(_t["src"], "tests.py", "exec"), _ns)
-            _rec(i=_i, ok=True)
-        else:
-            _ns[_t["src"]]()
-            _rec(i=_i, ok=True)
-    except BaseException as err:
-        try:
-            _rec(i=_i, ok=False, error=_why(err))
-        except BaseException:
-            _rec(i=_i, ok=False, error="unprintable error")
-_rec(done=True)
-'''
+# The in-jail harness (rlctl_rewards.jail_harness), run as ``python3 -I -S -c HARNESS``; the job arrives on stdin.
+HARNESS = Path(jail_harness.__file__).read_text()
 
 
 @dataclass(frozen=True)
@@ -274,10 +190,12 @@ class Verdict:
 def judge(sandbox: Sandbox, code: str, setup: str, tests: list[Test]) -> Verdict:
     """Run ``code`` + tests in ``sandbox``; never raises for what the program does."""
     nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "code": code, "setup": setup,
+    imports = "\n".join(ast.unparse(node) for node in ast.parse(setup).body
+                         if isinstance(node, (ast.Import, ast.ImportFrom)))
+    job = {"nonce": nonce, "code": code, "setup": setup, "imports": imports,
            "tests": [{"kind": t.kind, "src": t.src} for t in tests]}
     try:
-        run = sandbox.run([sandbox.python, "-I", "-S", "-c", RUNNER], json.dumps(job).encode())
+        run = sandbox.run([sandbox.python, "-I", "-S", "-c", HARNESS], json.dumps(job).encode())
     except SandboxUnavailable as err:
         return Verdict("sandbox_error", 0, len(tests), str(err))
     records: dict[int, list[dict[str, Any]]] = {}
@@ -379,7 +297,7 @@ class CodeReward:
         o = self.options
         graded = {"program": o.program, "tests": o.tests, "score": o.score, "on_timeout": o.on_timeout,
                   "python": o.python, "limits": asdict(self.sandbox.limits), "jail": self.sandbox.bwrap_args(),
-                  "harness": hashlib.sha256(RUNNER.encode()).hexdigest()}
+                  "harness": hashlib.sha256(HARNESS.encode()).hexdigest()}
         return hashlib.sha256(json.dumps(graded, sort_keys=True).encode()).hexdigest()[:12]
 
     def __getstate__(self) -> dict[str, Any]:

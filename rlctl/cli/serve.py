@@ -18,11 +18,12 @@ import typer
 app = typer.Typer(help="Serve rlctl engines over HTTP (rollout: SGLang-compatible API; reward: a reward model).",
                   no_args_is_help=True)
 
-# The HTTP hardening options both servers share (rlctl.serve.http_common).
+# The HTTP hardening options both servers share (rlctl.serve.http_common, rlctl.serve.listener).
 _MAX_BODY_MB = typer.Option(None, "--max-body-mb", min=0.001, help="Request body size limit in MiB (default 8).")
-_MAX_CONNECTIONS = typer.Option(64, "--max-connections", min=1, help="Open connections served at once; more get 503.")
-_READ_TIMEOUT_S = typer.Option(10.0, "--read-timeout-s", min=0.1, help="Idle or stalled connections are closed "
-                               "after this.")
+_MAX_CONNECTIONS = typer.Option(512, "--max-connections", min=1, help="Open connections; requests on more get 503.")
+_MAX_REQUESTS = typer.Option(64, "--max-requests", min=1, help="Requests in progress at once; more get 503.")
+_READ_TIMEOUT_S = typer.Option(10.0, "--read-timeout-s", min=0.1, help="A request's headers, and then its body, "
+                               "must arrive within this; idle connections are closed after it.")
 _VERBOSE = typer.Option(False, "--verbose", help="Log every HTTP request to stderr.")
 
 
@@ -50,15 +51,17 @@ def rollout(
                                               "request, n copies included (default 512)."),
     max_body_mb: Optional[float] = _MAX_BODY_MB,
     max_connections: int = _MAX_CONNECTIONS,
+    max_requests: int = _MAX_REQUESTS,
     read_timeout_s: float = _READ_TIMEOUT_S,
     verbose: bool = _VERBOSE,
 ) -> None:
-    """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
+    """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, /metrics, ...)."""
     from rlctl.serve.http_common import HttpOptions, check_exposure
     from rlctl.serve.server import build_service, serve
 
-    check_exposure(host, api_key)  # before the model loads: refusing should be instant
-    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, read_timeout_s=read_timeout_s)
+    check_exposure(host, api_key)  # before the model loads: refusing should be instant (and a bad key too)
+    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, max_requests=max_requests,
+                       read_timeout_s=read_timeout_s)
     service = build_service(model, backend=backend, seed=seed, max_wait_s=batch_wait_ms / 1000.0,
                             max_batch_rows=max_batch_rows, weights_root=weights_root, max_new_tokens=max_new_tokens,
                             max_prompts=max_prompts,
@@ -88,15 +91,17 @@ def reward(
                                             "(default 256)."),
     max_body_mb: Optional[float] = _MAX_BODY_MB,
     max_connections: int = _MAX_CONNECTIONS,
+    max_requests: int = _MAX_REQUESTS,
     read_timeout_s: float = _READ_TIMEOUT_S,
     verbose: bool = _VERBOSE,
 ) -> None:
-    """Serve a reward model (scalar head) over HTTP: POST /score, GET /info (its model_hash), /health."""
+    """Serve a reward model (scalar head) over HTTP: POST /score, GET /info (its model_hash), /health, /metrics."""
     from rlctl.serve.http_common import HttpOptions, check_exposure
     from rlctl.serve.reward import build_reward_service, serve
 
     check_exposure(host, api_key, "use the reward model")  # before the model loads: refusing should be instant
-    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, read_timeout_s=read_timeout_s)
+    http = HttpOptions(api_key=api_key or None, max_connections=max_connections, max_requests=max_requests,
+                       read_timeout_s=read_timeout_s)
     service = build_reward_service(model, max_wait_s=batch_wait_ms / 1000.0, max_batch_rows=max_batch_rows,
                                    max_texts=max_texts,
                                    max_body_bytes=None if max_body_mb is None else int(max_body_mb * (1 << 20)))

@@ -230,6 +230,11 @@ class TrainConfig(_Strict):
         description="Metric sinks besides the registry: a name (jsonl, tensorboard, mlflow, wandb) or "
         "{name, options} with options validated by that sink.",
     )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve the latest step metrics (those the registry gets) in the "
+        "Prometheus text format at http://127.0.0.1:PORT/metrics while the run trains; 0 picks a free port "
+        "(written to <run_dir>/metrics.url); null = off."
+    )
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."
@@ -293,7 +298,8 @@ class FaultsConfig(_Strict):
 # Config paths a resume may change without --allow-config-change: they do not
 # change what the next step computes. A path covers everything below it.
 RESUME_MUTABLE_PATHS = (
-    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "eval", "checkpoint.every_steps",
+    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "train.metrics_port", "eval",
+    "checkpoint.every_steps",
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
     "faults",
     "cluster", "staleness.take_timeout_s",

@@ -15,7 +15,7 @@ What this is not: an implementation or a base class to inherit from.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
 
 from rlctl.contracts.types import (
     LearnerMemory,
@@ -70,6 +70,28 @@ class RolloutBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class CancellableRollout(Protocol):
+    """A rollout backend that can stop some requests' rows between decode steps (optional).
+
+    ``cancelled()`` is polled between steps and returns the indices (into
+    ``requests``) whose client went away; their rows stop and their
+    trajectories come back cut short. ``rlctl serve rollout`` uses it so a
+    disconnected client frees its rows at once.
+    """
+
+    def generate_cancellable(self, requests: Sequence[RolloutRequest],
+                             cancelled: Callable[[], Collection[int]]) -> list[Trajectory]: ...
+
+
+@runtime_checkable
+class ReadableWeights(Protocol):
+    """A rollout backend that can show the weights it serves (optional): the base a delta update applies to,
+    and the layout (names, shapes, dtypes) a server checks an update against before it loads it."""
+
+    def state_dict(self) -> Mapping[str, "Tensor"]: ...
 
 
 @runtime_checkable

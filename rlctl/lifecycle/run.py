@@ -253,6 +253,10 @@ class Run:
             self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
                                run_dir=self.dir.root, run_id=run_id)
             for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
+        if config.train.metrics_port is not None:  # Prometheus /metrics of the step metrics (rlctl.serve)
+            from rlctl.serve.train_metrics import MetricsEndpoint
+
+            self._sinks.append(MetricsEndpoint(config.train.metrics_port, run_id=run_id, run_dir=self.dir.root))
         checkpointer = self._checkpointer = self._make_checkpointer(roles)
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
         # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)

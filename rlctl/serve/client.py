@@ -4,7 +4,8 @@ What this is: ``call_json``, used by the clients of the servers (the sglang
 rollout plugin, the reward_model reward). Every failure is a ``CallError``
 naming the URL and route: ``status`` None when the server could not be
 reached or did not answer in time (``timed_out``), the HTTP status otherwise,
-with the server's ``{"error": ...}`` message. Proxies are bypassed: servers are
+with the server's message (``{"error": {"message": ...}}`` as SGLang and
+``rlctl serve rollout`` answer, ``{"error": ...}``, or ``{"message": ...}``). Proxies are bypassed: servers are
 addressed directly.
 
 What this is not: retry policy (each caller decides) or an SDK.
@@ -20,6 +21,7 @@ import urllib.request
 from typing import Any
 
 from rlctl.contracts.errors import RoleError
+from rlctl.serve.http_common import check_api_key
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -54,7 +56,7 @@ def call_json(url: str, method: str, path: str, body: Any = None, *, timeout_s: 
     """The decoded JSON answer (or text) of ``method url+path``; raises CallError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+        headers["Authorization"] = f"Bearer {check_api_key(api_key)}"  # ASCII: the bytes every server compares
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
@@ -65,7 +67,8 @@ def call_json(url: str, method: str, path: str, body: Any = None, *, timeout_s: 
         detail = err.read().decode(errors="replace")[:500]
         try:
             parsed = json.loads(detail)
-            detail = parsed.get("message") or parsed.get("error") or detail
+            error = parsed.get("error")
+            detail = parsed.get("message") or (error.get("message") if isinstance(error, dict) else error) or detail
         except (json.JSONDecodeError, AttributeError):
             pass
         raise CallError(url, f"{method} {path} answered {err.code}: {detail}", err.code) from None

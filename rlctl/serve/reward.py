@@ -11,6 +11,10 @@ Routes:
                              encoded), architecture, limits
     GET /server_info, /get_server_info
                              batching counters
+    GET /metrics             Prometheus text: requests and errors by route and status, latency,
+                             forward-pass rows and time, queue depth, model_hash
+
+Errors (every refusal, on every route) are ``{"error": "message"}`` with a 4xx or 5xx status.
 
 A prompt/response pair is scored as one sequence: with the tokenizer's chat
 template as ``[user: prompt, assistant: response]`` (its text tokenized as is:
@@ -19,16 +23,17 @@ tokenizer's usual special tokens, like ``text``). The score is the model's singl
 token (``AutoModelForSequenceClassification``, ``num_labels = 1``); a
 non-finite score is ``null``, never a number.
 
-Batching: one thread owns the model; concurrent requests that arrive within
-``max_wait_s`` of each other share forward passes of at most
-``max_batch_rows`` sequences (right-padded; the model pools at the last
-non-pad token). When a shared forward pass fails, each request is re-run
-alone, so only the one that fails gets the error. A request whose client
-left is dropped before its next forward pass.
+Batching (rlctl.serve.score_worker): one thread owns the model; concurrent
+requests that arrive within ``max_wait_s`` of each other share forward
+passes of at most ``max_batch_rows`` sequences (right-padded; the model
+pools at the last non-pad token). When a shared forward pass fails, each
+request is re-run alone, so only the one that fails gets the error. A
+request whose client left is dropped before its next forward pass.
 
-Hardening is ``serve rollout``'s, from the same code (rlctl.serve.http_common):
-API key, loopback trust rules, body limits, strict JSON, bounded connection
-threads, read timeouts, clean shutdown on SIGTERM / SIGINT. Request limits
+Hardening is ``serve rollout``'s, from the same code (rlctl.serve.asgi and
+rlctl.serve.listener on uvicorn + Starlette): API key, loopback trust rules,
+body limits, strict JSON, request deadlines, connection limits, clean
+shutdown on SIGTERM / SIGINT. Request limits
 (sequences per request, characters, tokens against the model's positions,
 types) are checked while parsing, before anything reaches the model thread:
 a 400 naming the field.
@@ -41,19 +46,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import queue
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import ModelError, RlctlError, RoleError
-from rlctl.serve.http_common import (
-    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, await_job, fail_queued,
-    json_repr, serve_until_signal,
-)
+from rlctl.serve.http_common import ApiError, Cancelled, GetRoute, HttpOptions, PostRoute, Routes, json_repr
+from rlctl.serve.listener import HttpServer, serve_until_signal
+from rlctl.serve.score_worker import ScoreStats, ScoreWorker  # noqa: F401 - part of this module's API
 
 HASH_VERSION = "1"  # bump when what model_hash covers changes
 _KEYS = ("text", "prompt", "response")
@@ -143,173 +145,6 @@ def parse_score(body: Any, encode: Callable[[str, str | None], list[int]], limit
     return rows
 
 
-# -- the model thread ------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Job:
-    rows: Sequence[Sequence[int]]
-    future: Future = field(default_factory=Future)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-_STOP = object()
-
-
-@dataclass
-class ScoreStats:
-    batches: int = 0  # forward passes
-    requests: int = 0
-    rows: int = 0
-    largest_batch_rows: int = 0
-    largest_batch_requests: int = 0
-    retried_alone: int = 0  # requests re-run alone after a shared forward pass failed
-    cancelled: int = 0
-
-
-class ScoreWorker:
-    """Owns the model on one thread; concurrent requests share forward passes of at most ``max_batch_rows`` rows.
-
-    ``forward(rows) -> scores`` runs one padded batch. Requests are taken in
-    arrival order; a request larger than ``max_batch_rows`` is split across
-    forward passes.
-    """
-
-    def __init__(self, forward: Callable[[list[Sequence[int]]], list[float]], *, max_wait_s: float = 0.005,
-                 max_batch_rows: int = 64) -> None:
-        if max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
-        self.forward, self.max_wait_s, self.max_batch_rows = forward, max_wait_s, max_batch_rows
-        self.stats = ScoreStats()
-        self._queue: queue.Queue = queue.Queue()
-        self._closing = threading.Event()
-        self._busy = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rlctl-reward-model", daemon=True)
-        self._thread.start()
-
-    # -- handler threads -------------------------------------------------------------------
-
-    def score(self, rows: Sequence[Sequence[int]], timeout_s: float | None = None,
-              gone: Callable[[], bool] | None = None) -> list[float]:
-        """Scores of ``rows`` in order.
-
-        ``Cancelled`` once ``gone()`` (the client left), TimeoutError past ``timeout_s``.
-        """
-        job = _Job(rows=rows)
-        if self._closing.is_set():
-            raise Cancelled("the server is shutting down", "retry on another server")
-        self._queue.put(job)
-        return await_job(job, gone=gone, timeout_s=timeout_s, what="scoring")
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    @property
-    def idle(self) -> bool:
-        return not self._busy.is_set() and self._queue.empty()
-
-    def cancel_all(self) -> None:
-        """Shutdown has begun: queued work is failed, new work refused."""
-        self._closing.set()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._closing.set()
-        self._queue.put(_STOP)
-        self._thread.join(timeout=timeout_s)
-
-    # -- the model thread ------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._closing.is_set():
-            jobs = self._take()
-            if jobs is None:
-                break
-            self._busy.set()
-            try:
-                self._run([j for j in jobs if not self._drop_cancelled(j)])
-            finally:
-                self._busy.clear()
-        self._fail_all()
-
-    def _take(self) -> list[_Job] | None:
-        """The next batch's jobs: the first waiting one, plus those arriving within ``max_wait_s``."""
-        first = self._queue.get()
-        if first is _STOP:
-            return None
-        jobs, rows = [first], len(first.rows)
-        deadline = time.monotonic() + self.max_wait_s
-        while rows < self.max_batch_rows:
-            try:
-                nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if nxt is _STOP:
-                self._queue.put(_STOP)
-                break
-            jobs.append(nxt)
-            rows += len(nxt.rows)
-        return jobs
-
-    def _drop_cancelled(self, job: _Job, force: bool = False) -> bool:
-        if force or job.cancelled.is_set() or self._closing.is_set():
-            self.stats.cancelled += 1
-            job.future.set_exception(Cancelled("the server is shutting down" if self._closing.is_set()
-                                               else "the request was cancelled", "retry"))
-            return True
-        return False
-
-    def _run(self, jobs: list[_Job]) -> None:
-        if not jobs:
-            return
-        s = self.stats
-        s.requests += len(jobs)
-        s.largest_batch_requests = max(s.largest_batch_requests, len(jobs))
-        try:
-            results = self._forward([row for job in jobs for row in job.rows], jobs)
-        except Cancelled:
-            for job in jobs:
-                self._drop_cancelled(job, force=True)
-            return
-        except BaseException as err:  # noqa: BLE001 - isolate: re-run each request alone
-            if len(jobs) == 1:
-                jobs[0].future.set_exception(err)
-                return
-            s.retried_alone += len(jobs)
-            for job in jobs:
-                try:
-                    job.future.set_result(self._forward(list(job.rows), [job]))
-                except BaseException as alone:  # noqa: BLE001 - this request's own failure
-                    if not job.future.done():
-                        job.future.set_exception(alone)
-            return
-        at = 0
-        for job in jobs:
-            job.future.set_result(results[at:at + len(job.rows)])
-            at += len(job.rows)
-
-    def _forward(self, rows: list[Sequence[int]], jobs: list[_Job]) -> list[float]:
-        out: list[float] = []
-        for start in range(0, len(rows), self.max_batch_rows):
-            if self._closing.is_set() or all(j.cancelled.is_set() for j in jobs):
-                raise Cancelled("the request was cancelled", "retry")
-            chunk = rows[start:start + self.max_batch_rows]
-            scores = self.forward(chunk)
-            if len(scores) != len(chunk):
-                raise RoleError(f"the reward model returned {len(scores)} scores for {len(chunk)} sequences",
-                                "a reward-model bug; report it")
-            s = self.stats
-            s.batches += 1
-            s.rows += len(chunk)
-            s.largest_batch_rows = max(s.largest_batch_rows, len(chunk))
-            out += scores
-        return out
-
-    def _fail_all(self) -> None:
-        err = Cancelled("the server is shutting down", "retry on another server")
-        fail_queued(self._queue, _STOP, err)
-
-
 # -- the service ---------------------------------------------------------------------------------
 
 
@@ -328,7 +163,11 @@ class RewardService:
         self.template = getattr(tokenizer, "chat_template", None) or None
         self._tokenizer_lock = threading.Lock()
         self.model_hash = model_hash(model, model_dir, self.template)
-        self.worker = ScoreWorker(self._forward, max_wait_s=max_wait_s, max_batch_rows=max_batch_rows)
+        from rlctl.serve.metrics import ServeMetrics
+
+        self.metrics = ServeMetrics(collect=self._families)
+        self.worker = ScoreWorker(self._forward, max_wait_s=max_wait_s, max_batch_rows=max_batch_rows,
+                                  observe=self.metrics.observe_batch)
 
     def encode(self, first: str, second: str | None) -> list[int]:
         """Token ids of a text, or of a prompt/response pair (chat template when the tokenizer has one)."""
@@ -366,9 +205,9 @@ class RewardService:
         try:
             self.worker.score([self.encode("ok", None) or [self.pad_id]], timeout_s=timeout_s)
         except TimeoutError:
-            return 503, {"error": f"a one-text forward pass did not finish within {timeout_s:g}s"}
+            raise ApiError(503, f"a one-text forward pass did not finish within {timeout_s:g}s") from None
         except Cancelled as err:
-            return 503, {"error": err.message}
+            raise ApiError(503, err.message) from None
         return 200, {"ok": True, "latency_s": round(time.perf_counter() - started, 4)}
 
     def info(self) -> dict[str, Any]:
@@ -376,6 +215,17 @@ class RewardService:
                 "model_type": self._config.get("model_type"), "architectures": self._config.get("architectures"),
                 "num_labels": 1, "pair_encoding": "chat_template" if self.template else "concatenate",
                 "limits": {**self.limits.to_dict(), "max_batch_rows": self.worker.max_batch_rows}}
+
+    def _families(self) -> list[Any]:
+        """What /metrics reports of the model thread, read at scrape time."""
+        from prometheus_client.core import InfoMetricFamily
+
+        from rlctl.serve.metrics import worker_families
+
+        worker = self.worker
+        return [*worker_families(worker.stats, queue_depth=worker.queue_depth, busy=worker.busy, engine="model"),
+                InfoMetricFamily("rlctl_reward_model", "The reward model being served",
+                                 value={"model_hash": self.model_hash})]
 
     def server_info(self) -> dict[str, Any]:
         s = self.worker.stats
@@ -480,7 +330,8 @@ def reward_routes(service: RewardService, http: HttpOptions) -> Routes:
         "/server_info": server_info, "/get_server_info": server_info,
     }
     posts: dict[str, PostRoute] = {"/score": lambda body, gone: service.score(body, gone)}
-    return Routes(gets=gets, posts=posts, max_body_bytes=service.limits.max_body_bytes, name="rlctl-serve-reward")
+    return Routes(gets=gets, posts=posts, max_body_bytes=service.limits.max_body_bytes, name="rlctl-serve-reward",
+                  metrics=service.metrics)
 
 
 class RewardServer(HttpServer):

@@ -11,27 +11,27 @@ Routes (SGLang 0.5.x shapes):
     GET /get_model_info, /model_info model path, weight_version, plus an ``rlctl`` block with the
                                      policy version, weight fingerprint, logprob semantics and limits
     GET /get_server_info, /server_info  batching counters
+    GET /metrics                     Prometheus text: requests and errors by route and status, latency,
+                                     batch rows, queue depth, engine time, weight version
 
 Weight updates are all or nothing: the candidate is read and checked whole
 (every shard's sha256 for a publish; the safetensors headers of a plain
 directory against the served names, shapes and dtypes before any tensor is
 read), then staged and swapped in on the engine thread between batches
 (rlctl.engine.weight_apply). A refused update answers 400 with the reason and
-leaves every served tensor and the reported fingerprint unchanged.
+leaves every served tensor and the reported fingerprint unchanged. Weights
+with a NaN or an infinity are refused before they are staged.
 
-Hardening (the HTTP part, shared with ``serve reward``, is rlctl.serve.http_common):
-limits checked at parse time (body bytes, prompts per request, prompt tokens,
-max_new_tokens, token ids, finite numbers, strict types; all 400 naming the
-field); fair slices and per-request isolation in the engine
-worker; generation cancelled when the client disconnects or on shutdown;
-socket read timeouts, a bounded number of connection threads and a larger
-listen backlog; chunked bodies refused (411); every decoding error a 400.
-Trust: with ``api_key`` every route needs ``Authorization: Bearer KEY``
-(401 otherwise); binding a non-loopback address without a key is refused;
-on loopback a foreign ``Host`` is refused (DNS rebinding), any ``Origin``
-(a browser page) is refused, and request bodies must be application/json;
-``weights_root`` confines ``model_path``, and errors about paths outside it,
-or paths that are not weight directories, read the same whether they exist.
+Hardening: the HTTP part, shared with ``serve reward``, is uvicorn + Starlette
+configured by rlctl.serve.listener and rlctl.serve.asgi (trust, body limits,
+request deadlines, connection limits, errors in SGLang's shape). Here: limits
+checked at parse time (prompts per request, prompt tokens, max_new_tokens,
+token ids, finite numbers, strict types, unknown fields; all 400 naming the
+field); fair slices and per-request isolation in the engine worker;
+generation cancelled when the client disconnects or on shutdown;
+``weight_version`` short printable ASCII; ``weights_root`` confines
+``model_path`` and every symlink inside it, and errors about paths outside
+it, or paths that are not weight directories, read the same whether they exist.
 
 What this is not: a production server (use SGLang itself on GPUs).
 """
@@ -47,10 +47,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
-from rlctl.serve.http_common import (
-    ApiError, Cancelled, GetRoute, HttpOptions, HttpServer, PostRoute, Routes, serve_until_signal,
+from rlctl.contracts.roles import ReadableWeights
+from rlctl.serve.http_common import ApiError, Cancelled, GetRoute, HttpOptions, PostRoute, Routes
+from rlctl.serve.listener import HttpServer, serve_until_signal
+from rlctl.serve.sglang_api import (
+    LOGPROB_SEMANTICS, UPDATE_KEYS, Limits, Row, check_weight_version, error_shape, generate_response,
+    parse_generate, response_item, unknown_key, update_error_shape,
 )
-from rlctl.serve.sglang_api import LOGPROB_SEMANTICS, Limits, Row, generate_response, parse_generate, response_item
 
 MAX_PATH_CHARS = 4096
 
@@ -61,18 +64,24 @@ class RolloutService:
     def __init__(self, engine: Any, tokenizer: Any, model_dir: str, *, backend: str = "local",
                  weight_version: str = "default", max_wait_s: float = 0.005, max_batch_rows: int = 256,
                  limits: Limits | None = None, weights_root: str | Path | None = None) -> None:
+        from rlctl.serve.metrics import ServeMetrics
         from rlctl.serve.worker import EngineWorker
 
+        try:
+            weight_version = check_weight_version(weight_version)
+        except ApiError as err:
+            raise RoleError(err.message, "pass another --weight-version") from None
         self.tokenizer, self.model_dir, self.backend = tokenizer, model_dir, backend
         self.eos_id = tokenizer.eos_token_id
         self._config = _read_config(Path(model_dir))
         self.limits = limits or default_limits(self._config, tokenizer)
         self.weights_root = Path(os.path.realpath(weights_root)) if weights_root is not None else None
+        self.metrics = ServeMetrics(collect=self._families)
         self.worker = EngineWorker(engine, weight_version=weight_version, max_wait_s=max_wait_s,
-                                   max_batch_rows=max_batch_rows)
+                                   max_batch_rows=max_batch_rows, observe=self.metrics.observe_batch)
         self._rids = itertools.count()
         self._state_lock = threading.Lock()  # weights + weight_version change together, and are read together
-        served = engine.state_dict() if hasattr(engine, "state_dict") else {}
+        served = engine.state_dict() if isinstance(engine, ReadableWeights) else {}
         self._layout = {name: (tuple(t.shape), t.dtype) for name, t in served.items()}
         self._tied = _aliases(served)
 
@@ -101,9 +110,9 @@ class RolloutService:
         try:
             self.worker.generate([row], timeout_s=timeout_s)
         except TimeoutError:
-            return 503, {"error": f"a one-token generation did not finish within {timeout_s:g}s"}
+            raise ApiError(503, f"a one-token generation did not finish within {timeout_s:g}s") from None
         except Cancelled as err:
-            return 503, {"error": err.message}
+            raise ApiError(503, err.message) from None
         return 200, {"ok": True, "latency_s": round(time.perf_counter() - started, 4)}
 
     # -- weights -------------------------------------------------------------------
@@ -114,9 +123,11 @@ class RolloutService:
 
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
             return refuse(400, "model_path (a directory) is required")
-        version = body.get("weight_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
-            return refuse(400, "weight_version must be a string or an integer")
+        try:
+            unknown_key(body, UPDATE_KEYS, "the /update_weights_from_disk body")
+            version = None if body.get("weight_version") is None else check_weight_version(body["weight_version"])
+        except ApiError as err:
+            return refuse(err.status, err.message)
         if body.get("load_format") not in (None, "auto", "safetensors"):
             return refuse(400, f"load_format {str(body.get('load_format'))[:40]!r} is not supported; "
                                "this server loads safetensors only")
@@ -125,7 +136,7 @@ class RolloutService:
         except ApiError as err:
             return refuse(err.status, err.message)
         try:
-            apply = self._prepare_update(path, None if version is None else str(version))
+            apply = self._prepare_update(path, version)
         except RlctlError as err:
             return refuse(400, str(err))
         except Exception as err:  # noqa: BLE001 - reading the candidate failed; nothing served changed
@@ -149,7 +160,7 @@ class RolloutService:
             real = None
         if self.weights_root is not None:
             inside = real is not None and (real == self.weights_root or self.weights_root in real.parents)
-            if not inside:
+            if not inside or _link_out_of(real, self.weights_root):  # a weight file may not point out of it
                 raise ApiError(403, f"model_path {shown} is outside the server's weights root; it loads weights "
                                     f"only from under {self.weights_root}")
         unloadable = ApiError(400, f"model_path {shown} is not a loadable weight directory (a committed rlctl "
@@ -175,22 +186,25 @@ class RolloutService:
             def apply_manifest(worker: Any) -> str:
                 engine = worker.engine
                 with self._state_lock:
-                    base = engine.state_dict() if manifest.is_delta and hasattr(engine, "state_dict") else None
+                    base = engine.state_dict() if manifest.is_delta and isinstance(engine, ReadableWeights) else None
                     update = decode_manifest(manifest, stored, base=base,
                                              base_fingerprint=engine.health().get("fingerprint"))
+                    refuse_non_finite(update.state_dict, path.name)
                     engine.update_weights(update)
                     worker.weight_version = weight_version or str(manifest.version)
                 return f"updated to weight version {worker.weight_version} (fingerprint {update.fingerprint})"
 
             return apply_manifest
         state = read_model_dir(path, self._layout, self._tied)
+        refuse_non_finite(state, path.name)
 
         def apply_plain(worker: Any) -> str:
             from rlctl.contracts.types import WeightUpdate
             from rlctl.models.fingerprint import fingerprint
 
             engine = worker.engine
-            number = int(weight_version) if weight_version and weight_version.isdigit() else engine.policy_version
+            number = int(weight_version) if weight_version and weight_version.isdigit() and len(weight_version) <= 18 \
+                else engine.policy_version
             update = WeightUpdate(version=number, state_dict=state, fingerprint=fingerprint(state))
             with self._state_lock:
                 engine.update_weights(update)
@@ -216,6 +230,20 @@ class RolloutService:
                       "weights_root_confined": self.weights_root is not None},
         }
 
+    def _families(self) -> list[Any]:
+        """What /metrics reports of the engine thread, read at scrape time."""
+        from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+        from rlctl.serve.metrics import worker_families
+
+        worker = self.worker
+        out = worker_families(worker.stats, queue_depth=worker.queue_depth, busy=worker.busy, engine="engine")
+        out.append(InfoMetricFamily("rlctl_weight_version", "The weight version being served",
+                                    value={"weight_version": worker.weight_version}))
+        out.append(GaugeMetricFamily("rlctl_policy_version", "The engine's policy version",
+                                     value=worker.engine.policy_version))
+        return out
+
     def server_info(self) -> dict[str, Any]:
         s = self.worker.stats
         return {"weight_version": self.worker.weight_version, "max_batch_rows": self.worker.max_batch_rows,
@@ -227,6 +255,32 @@ class RolloutService:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.worker.close(timeout_s)
+
+
+def _link_out_of(directory: Path, root: Path, max_entries: int = 10_000) -> bool:
+    """True when a symlink under ``directory`` resolves outside ``root`` (or the tree is too large to check)."""
+    seen = 0
+    for parent, dirs, files in os.walk(directory, followlinks=False):
+        for name in dirs + files:
+            seen += 1
+            entry = Path(parent) / name
+            if seen > max_entries:
+                return True
+            if entry.is_symlink():
+                target = Path(os.path.realpath(entry))
+                if target != root and root not in target.parents:
+                    return True
+    return False
+
+
+def refuse_non_finite(state: Mapping[str, Any], where: str) -> None:
+    """RoleError naming the first floating tensor holding a NaN or an infinity (checked before staging)."""
+    import torch
+
+    for name, tensor in state.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise RoleError(f"tensor {name} in {where} holds NaN or infinite values; nothing was loaded",
+                            "publish finite weights (a diverged learner wrote these)")
 
 
 def default_limits(config: Mapping[str, Any], tokenizer: Any, **overrides: Any) -> Limits:
@@ -360,6 +414,7 @@ def rollout_routes(service: RolloutService, http: HttpOptions) -> Routes:
     posts: dict[str, PostRoute] = {
         "/generate": lambda body, gone: service.generate(body, gone),
         "/update_weights_from_disk": lambda body, gone: service.update_weights_from_disk(body),
+        "/flush_cache": lambda body, gone: (200, "Cache flushed."),
     }
     gets: dict[str, GetRoute] = {
         "/health": lambda: (200, None) if service.worker.alive else (503, None),
@@ -368,7 +423,8 @@ def rollout_routes(service: RolloutService, http: HttpOptions) -> Routes:
         "/get_server_info": lambda: (200, service.server_info()), "/server_info": lambda: (200, service.server_info()),
         "/flush_cache": lambda: (200, "Cache flushed."),
     }
-    return Routes(gets=gets, posts=posts, max_body_bytes=service.limits.max_body_bytes)
+    return Routes(gets=gets, posts=posts, max_body_bytes=service.limits.max_body_bytes, error=error_shape,
+                  shapes={"/update_weights_from_disk": update_error_shape}, metrics=service.metrics)
 
 
 def build_service(model_dir: str | Path, *, backend: str = "local", seed: int = 0, weight_version: str = "default",

@@ -5,10 +5,15 @@ What this is: request parsing and response building for ``POST /generate``
 ``text``, one or a batch; ``sampling_params`` (one dict or one per row);
 ``return_logprob``; response objects ``{"text", "output_ids", "meta_info"}``
 with ``output_token_logprobs = [[logprob, token_id, null], ...]`` and SGLang's
-``finish_reason`` objects. Unknown sampling keys are refused like SGLang does;
-known keys this engine cannot honour (penalties, min_p, grammars, stop token
-ids, streaming, input logprobs) are refused with a message instead of being
-silently ignored.
+``finish_reason`` objects. Unknown keys are refused, at the top level and in
+``sampling_params``, like SGLang's schema does (a typo such as
+``sampling_param`` is a 400, not a request with default sampling); known
+keys this engine cannot honour (penalties, min_p, grammars, stop token ids,
+streaming, input logprobs, multimodal data, LoRA, sessions, ...) are refused
+unless at their neutral value, with a message instead of being silently
+ignored. ``weight_version`` (``check_weight_version``) is short printable
+ASCII, because every generated row repeats it. Errors have SGLang's shape,
+``{"error": {"message": ...}}`` (``error_shape``).
 
 Logprob semantics (differs from SGLang on purpose): the returned logprob of a
 token is log p under the distribution it was drawn from (temperature, then
@@ -47,6 +52,56 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "sampling_seed": (None,), "custom_params": (None,), "beam_width": (None,),
     "watermark": (None,), "choice": (None,),
 }
+
+
+# SGLang 0.5's GenerateReqInput fields besides the ones parsed below, each accepted only at a neutral value.
+_GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
+    "return_text_in_logprobs": (None, False), "log_metrics": (None, True, False), "return_hidden_states": (None, False),
+    "modalities": (None,), "session_params": (None,), "lora_path": (None,), "lora_id": (None,),
+    "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
+    "bootstrap_room": (None,), "bootstrap_pair_key": (None,), "data_parallel_rank": (None,),
+    "background": (None, False), "conversation_id": (None,), "priority": (None,), "extra_key": (None,),
+    "no_logs": (None, False), "custom_labels": (None,), "return_bytes": (None, False), "return_entropy": (None, False),
+}
+GENERATE_KEYS = ("text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
+                 "top_logprobs_num", "token_ids_logprob", *_GENERATE_NEUTRAL)
+# SGLang's UpdateWeightFromDiskReqInput fields (the engine-level ones are accepted and have no effect here).
+UPDATE_KEYS = ("model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests", "is_async",
+               "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "rid")
+MAX_WEIGHT_VERSION_CHARS = 64
+
+
+def error_shape(message: str) -> dict[str, Any]:
+    """SGLang's error body (``_create_error_response``): ``{"error": {"message": ...}}``."""
+    return {"error": {"message": message}}
+
+
+def update_error_shape(message: str) -> dict[str, Any]:
+    """``/update_weights_from_disk``'s body for a refusal, as SGLang answers it."""
+    return {"success": False, "message": message, "num_paused_requests": 0}
+
+
+def check_weight_version(value: Any) -> str:
+    """A weight version as served: 1-64 printable ASCII characters (an integer is written in decimal).
+
+    Every /generate row repeats it, so an unbounded one turns a small request into a huge answer.
+    """
+    if is_int(value) and 0 <= value < 10**18:
+        return str(value)
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_WEIGHT_VERSION_CHARS or \
+            any(not 0x21 <= ord(c) <= 0x7E for c in value):
+        raise ApiError(400, f"weight_version must be 1-{MAX_WEIGHT_VERSION_CHARS} printable ASCII characters "
+                            f"without spaces, or a non-negative integer, got {json_repr(value)}")
+    return value
+
+
+def unknown_key(body: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    """A 400 naming the first key of ``body`` not in ``known``."""
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise ApiError(400, f"unknown field `{json_repr(unknown[0])[1:-1]}` in {where}, expected one of "
+                            f"{', '.join(known)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,18 +157,24 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
 
     Every rule of ``limits`` and every type is checked here, so a request the
     engine would fail on is a 400 naming the field, and a bad row never joins
-    a batch with other clients' rows.
+    a batch with other clients' rows. Prompts are tokenized last, one at a
+    time, each checked against its row's room at once: a request of many
+    over-long texts costs one tokenization before its 400, not all of them.
     """
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    unknown_key(body, GENERATE_KEYS, "the /generate body")
+    for key, allowed in _GENERATE_NEUTRAL.items():  # the allowed values are None / True / False: compare identity
+        if key in body and not any(body[key] is value for value in allowed):
+            raise ApiError(400, f"{key}={json_repr(body[key])} is not supported by rlctl serve rollout")
     if body.get("stream") not in (None, False):
         raise ApiError(400, "stream=true is not supported by rlctl serve rollout; send stream=false")
     if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num") not in (None, 0):
         raise ApiError(400, "only output-token logprobs are supported (logprob_start_len=-1, top_logprobs_num=0)")
     if body.get("token_ids_logprob") is not None:
         raise ApiError(400, "token_ids_logprob is not supported by rlctl serve rollout")
-    prompts, single = _prompts(body, tokenize, limits)
-    n = len(prompts)
+    raw, single = _prompt_list(body, limits)
+    n = len(raw)
     params = _per_row(body.get("sampling_params", {}), n, "sampling_params", dict)
     logprob = _per_row(body.get("return_logprob", False), n, "return_logprob", bool)
     rids = _per_row(body.get("rid"), n, "rid", str) if body.get("rid") is not None else [None] * n
@@ -123,11 +184,12 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
         raise ApiError(400, f"the request asks for {total} sequences (prompts x n); this server takes at most "
                             f"{limits.max_prompts} per request: split it")
     rows = []
-    for k, (ids, (sampling, copies, no_trim), lp, rid) in enumerate(zip(prompts, parsed, logprob, rids)):
+    for k, (prompt, (sampling, copies, no_trim), lp, rid) in enumerate(zip(raw, parsed, logprob, rids)):
+        where = ("text" if "text" in body else "prompt") if single else f"{'text' if 'text' in body else 'prompt'}[{k}]"
         room = limits.positions - sampling.max_tokens
+        ids = _tokens(prompt, tokenize, room, where)
         if len(ids) > room:
-            where = "" if single else f"[{k}]"
-            raise ApiError(400, f"prompt{where} has {len(ids)} tokens; with max_new_tokens={sampling.max_tokens} "
+            raise ApiError(400, f"{where} has {len(ids)} tokens; with max_new_tokens={sampling.max_tokens} "
                                 f"at most {room} fit in the model's {limits.positions} positions")
         base = rid or next_rid()
         for c in range(copies):
@@ -136,7 +198,20 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
     return GenerateCall(rows=tuple(rows), single=single and len(rows) == 1)
 
 
-def _prompts(body: Mapping[str, Any], tokenize: Any, limits: Limits) -> tuple[list[tuple[int, ...]], bool]:
+def _tokens(prompt: str | tuple[int, ...], tokenize: Any, room: int, where: str) -> tuple[int, ...]:
+    if not isinstance(prompt, str):
+        return prompt
+    if len(prompt) > room * 64:  # no tokenizer packs more than 64 characters into a token
+        raise ApiError(400, f"{where} has {len(prompt)} characters, far more than the {room} prompt tokens that "
+                            "fit in the model's positions")
+    tokens = tuple(tokenize(prompt))
+    if not tokens:
+        raise ApiError(400, f"{where} tokenizes to no tokens")
+    return tokens
+
+
+def _prompt_list(body: Mapping[str, Any], limits: Limits) -> tuple[list[str | tuple[int, ...]], bool]:
+    """The prompts as texts (tokenized later) or checked token ids, and whether the request named one."""
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise ApiError(400, "send exactly one of input_ids or text")
@@ -147,18 +222,10 @@ def _prompts(body: Mapping[str, Any], tokenize: Any, limits: Limits) -> tuple[li
         if len(texts) > limits.max_prompts:
             raise ApiError(400, f"text has {len(texts)} prompts; this server takes at most {limits.max_prompts} "
                                 "per request: split it")
-        out = []
         for k, t in enumerate(texts):
             if not t:
                 raise ApiError(400, "text must not be empty" if isinstance(text, str) else f"text[{k}] is empty")
-            if len(t) > limits.positions * 64:  # no tokenizer packs more than 64 characters into a token
-                raise ApiError(400, f"text{'' if isinstance(text, str) else f'[{k}]'} has {len(t)} characters, "
-                                    f"far more than the model's {limits.positions} positions hold")
-            tokens = tuple(tokenize(t))
-            if not tokens:
-                raise ApiError(400, f"text{'' if isinstance(text, str) else f'[{k}]'} tokenizes to no tokens")
-            out.append(tokens)
-        return out, isinstance(text, str)
+        return list(texts), isinstance(text, str)
     single = isinstance(ids, list) and bool(ids) and not isinstance(ids[0], list)
     batch = [ids] if single else ids
     if not isinstance(batch, list) or not batch:

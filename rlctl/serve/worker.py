@@ -27,7 +27,6 @@ runs waits for that batch, whose length ``max_new_tokens`` bounds).
 
 from __future__ import annotations
 
-import inspect
 import queue
 import threading
 import time
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import RoleError
+from rlctl.contracts.roles import CancellableRollout
 from rlctl.contracts.types import RolloutRequest, Trajectory
 from rlctl.serve.http_common import Cancelled, await_job, fail_queued
 from rlctl.serve.sglang_api import Row
@@ -76,16 +76,18 @@ class BatchStats:
     largest_batch_requests: int = 0
     retried_alone: int = 0  # requests re-run alone after a shared batch failed
     cancelled: int = 0
+    engine_seconds: float = 0.0  # time spent in engine batches
 
 
 class EngineWorker:
     """Serialises every use of ``engine`` on one thread and batches concurrent generate calls fairly."""
 
     def __init__(self, engine: Any, *, weight_version: str, max_wait_s: float = 0.005,
-                 max_batch_rows: int = 256) -> None:
+                 max_batch_rows: int = 256, observe: Callable[[int, float], None] | None = None) -> None:
+        """``observe(rows, seconds)`` is called on the engine thread after every batch (metrics)."""
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
-        self.engine = engine
+        self.engine, self._observe = engine, observe
         self.weight_version = weight_version  # changed only on the worker thread, with the weights
         self.max_wait_s, self.max_batch_rows = max_wait_s, max_batch_rows
         self.stats = BatchStats()
@@ -93,10 +95,7 @@ class EngineWorker:
         self._active: deque[_Generate] = deque()
         self._closing = threading.Event()
         self._busy = threading.Event()  # set while the engine runs a batch or a call
-        try:
-            self._cancellable = "cancelled" in inspect.signature(engine.generate).parameters
-        except (TypeError, ValueError):
-            self._cancellable = False
+        self._cancellable = isinstance(engine, CancellableRollout)
         self._thread = threading.Thread(target=self._loop, name="rlctl-engine", daemon=True)
         self._thread.start()
 
@@ -142,6 +141,15 @@ class EngineWorker:
     def idle(self) -> bool:
         """Nothing queued, nothing running."""
         return not self._busy.is_set() and not self._active and self._queue.empty()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.is_set()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for or in a batch (read without a lock: a snapshot for metrics)."""
+        return self._queue.qsize() + len(self._active)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel every job (running generations stop at their next decode step) and stop the thread."""
@@ -238,16 +246,21 @@ class EngineWorker:
                 return list(range(len(jobs)))
             return [k for k, job in enumerate(jobs) if job.cancelled.is_set()]
 
-        return self.engine.generate(requests, cancelled=cancelled)
+        return self.engine.generate_cancellable(requests, cancelled)
 
     def _run_batch(self, slices: list[tuple[_Generate, int, int]]) -> None:
         if not slices:
             return
         self._busy.set()
+        started = time.perf_counter()
         try:
             self._run_slices(slices)
         finally:
             self._busy.clear()
+            seconds = time.perf_counter() - started
+            self.stats.engine_seconds += seconds
+            if self._observe is not None:
+                self._observe(sum(stop - start for _, start, stop in slices), seconds)
         for job in list(self._active):
             if job.future.done():
                 self._active.remove(job)

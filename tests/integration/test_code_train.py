@@ -30,7 +30,7 @@ def expressions() -> list[dict[str, str]]:
     return rows
 
 
-def test_train_on_a_code_task_runs_the_policys_completions_in_the_sandbox(tmp_path, _rlctl_home):
+def test_train_on_a_code_task_runs_the_policys_completions_in_the_sandbox(needs_sandbox, tmp_path, _rlctl_home):
     rows = expressions()
     files = {}
     for split, part in (("train", rows[:150]), ("dev", rows[150:170]), ("hidden", rows[170:])):

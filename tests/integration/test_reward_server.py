@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from rlctl.serve.http_common import HttpOptions
 from rlctl.serve.reward import RewardServer, build_reward_service
-from tests.helpers import LiveServer, http_status
+from tests.helpers import LiveServer, hostile_text, http_status
 from tests.integration.test_cli import REPO
 
 READ_TIMEOUT_S = 1.0
@@ -238,7 +238,7 @@ def test_with_an_api_key_every_route_needs_it(tiny_reward_model_dir):
     keyed = Live(tiny_reward_model_dir, http=HttpOptions(api_key="s3cret", read_timeout_s=READ_TIMEOUT_S))
     try:
         routes = [("GET", p) for p in ("/health", "/health_score", "/info", "/model_info", "/get_model_info",
-                                       "/server_info", "/get_server_info", "/nope")] + [("POST", "/score")]
+                                       "/server_info", "/get_server_info", "/metrics", "/nope")] + [("POST", "/score")]
         for method, path in routes:
             for auth in (None, "Bearer wrong", "s3cret", "Basic czNjcmV0"):
                 body = json.dumps(VALID).encode() if method == "POST" else None
@@ -337,10 +337,11 @@ def test_sigterm_stops_the_cli_server_cleanly(tiny_reward_model_dir, tmp_path):
 
 # -- generated bodies ---------------------------------------------------------------------------------
 
+# Text includes lone surrogates and control characters (sent as JSON escapes): never a 500.
 _json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
-_texts = st.text(max_size=40) | st.lists(st.text(max_size=40), max_size=4)
+                     | hostile_text(20), lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(hostile_text(12), inner, max_size=4), max_leaves=12)
+_texts = hostile_text(40) | st.lists(hostile_text(40), max_size=4)
 _bodies = st.fixed_dictionaries({}, optional={"text": _texts | _json, "prompt": _texts | _json,
                                               "response": _texts | _json}) | _json
 

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlctl.serve.server import HttpOptions, RolloutServer, build_service
-from tests.helpers import LiveServer, http_status
+from tests.helpers import LiveServer, hostile_text, http_status
 from tests.integration.test_cli import REPO
 
 READ_TIMEOUT_S = 1.0
@@ -51,6 +51,20 @@ class Live(LiveServer):
 
 
 VALID = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+
+
+def error(answer: object) -> str:
+    """The message of an error answer in SGLang's shapes (asserted here): ``{"error": {"message": ...}}``, or
+    ``{"success": false, "message": ..., "num_paused_requests": 0}`` on /update_weights_from_disk."""
+    assert isinstance(answer, dict), answer
+    if "success" in answer:
+        assert answer["success"] is False and set(answer) == {"success", "message", "num_paused_requests"}, answer
+        message = answer["message"]
+    else:
+        assert set(answer) == {"error"} and set(answer["error"]) == {"message"}, answer
+        message = answer["error"]["message"]
+    assert isinstance(message, str) and message, answer
+    return message
 
 
 def healthy_after(live: Live, fingerprint: str) -> None:
@@ -166,7 +180,7 @@ def test_a_bad_token_id_fails_alone_next_to_valid_requests(live):
             t.start()
         for t in threads:
             t.join()
-        assert results["bad"][0] == 400 and "input_ids" in results["bad"][1]["error"]
+        assert results["bad"][0] == 400 and "input_ids" in error(results["bad"][1])
         assert all(results[f"ok{k}"][0] == 200 for k in range(3)), results
     healthy_after(live, fp)
 
@@ -190,7 +204,7 @@ def test_out_of_limit_or_mistyped_requests_are_400s_naming_the_field(live, body,
     started = time.monotonic()
     raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()  # str: sent as written
     status, answer = live.request("POST", "/generate", raw)
-    assert status == 400 and field in answer["error"], answer
+    assert status == 400 and field in error(answer), answer
     assert time.monotonic() - started < 2.0
     healthy_after(live, fp)
 
@@ -201,7 +215,7 @@ def test_nan_literal_and_broken_bodies_get_a_400_response(live):
              b'{"input_ids": [1, 2], "text": "\xff\xfe"}', b'{"input_ids": [1, 2]']
     for body in cases:
         status, answer = live.request("POST", "/generate", body)
-        assert status == 400 and answer["error"], (body[:40], answer)
+        assert status == 400 and error(answer), (body[:40], answer)
     head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
             "Content-Length: abc\r\n\r\n{}")
     assert http_status(live.raw(head.encode())) == 400
@@ -283,7 +297,7 @@ def test_health_generate_runs_a_timed_generation(live):
 def test_foreign_pages_and_non_json_bodies_are_refused(live, headers, status):
     fp = live.fingerprint()
     code, answer = live.post("/update_weights_from_disk", {"model_path": str(live.root)}, headers=headers)
-    assert code == status and answer["error"], answer
+    assert code == status and error(answer), answer
     healthy_after(live, fp)
 
 
@@ -291,13 +305,13 @@ def test_with_an_api_key_every_route_needs_it(tiny_policy_dir):
     keyed = Live(tiny_policy_dir, http=HttpOptions(api_key="s3cret", read_timeout_s=READ_TIMEOUT_S))
     try:
         routes = [("GET", p) for p in ("/health", "/health_generate", "/get_model_info", "/model_info",
-                                       "/get_server_info", "/server_info", "/flush_cache", "/nope")]
+                                       "/get_server_info", "/server_info", "/flush_cache", "/metrics", "/nope")]
         routes += [("POST", p) for p in ("/generate", "/update_weights_from_disk", "/flush_cache")]
         for method, path in routes:
             for auth in (None, "Bearer wrong", "s3cret", "Basic czNjcmV0"):
                 body = json.dumps(VALID).encode() if method == "POST" else None
                 status, answer = keyed.request(method, path, body, headers={"Authorization": auth})
-                assert status == 401 and "API key" in answer["error"], (method, path, auth)
+                assert status == 401 and "API key" in error(answer), (method, path, auth)
         assert keyed.request("GET", "/health")[0] == 200
         assert keyed.post("/generate", VALID)[0] == 200
         from rlctl_sglang.client import ServerClient, ServerError
@@ -383,26 +397,27 @@ def test_sigterm_stops_the_server_within_5s_during_a_long_generation(tiny_policy
 
 # -- generated bodies ---------------------------------------------------------------------------
 
+# Text includes lone surrogates and control characters (sent as JSON escapes): never a 500.
 _json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
+                     | hostile_text(20), lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(hostile_text(12), inner, max_size=4), max_leaves=12)
 _ids = st.lists(st.integers(-3, 120) | st.booleans(), min_size=0, max_size=6)
 _sampling = st.fixed_dictionaries({}, optional={
     "max_new_tokens": st.integers(-2, 300) | _json, "temperature": st.floats(-1, 3) | _json,
     "top_p": st.floats(-0.5, 1.5) | _json, "top_k": st.integers(-3, 200) | _json, "n": st.integers(-1, 4) | _json,
-    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3) | _json,
+    "stop": hostile_text(3) | st.lists(hostile_text(3), max_size=3) | _json,
     "min_p": st.floats(0, 1), "no_stop_trim": _json})
 _bodies = st.fixed_dictionaries({}, optional={
-    "input_ids": _ids | st.lists(_ids, max_size=3) | _json, "text": st.text(max_size=30) | _json,
+    "input_ids": _ids | st.lists(_ids, max_size=3) | _json, "text": hostile_text(30) | _json,
     "sampling_params": _sampling | st.lists(_sampling, max_size=3) | _json,
-    "return_logprob": st.booleans() | _json, "rid": st.text(max_size=8) | _json, "stream": _json}) | _json
+    "return_logprob": st.booleans() | _json, "rid": hostile_text(8) | _json, "stream": _json}) | _json
 
 
 def _fuzz(live: Live, body: object) -> None:
     status, answer = live.post("/generate", body, timeout=30)
     assert status in (200, 400), (status, answer)
     if status == 400:
-        assert isinstance(answer, dict) and answer["error"]
+        assert error(answer)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

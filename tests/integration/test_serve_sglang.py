@@ -129,7 +129,7 @@ def test_generate_speaks_sglang_and_batches_concurrent_requests(server):
     assert after["requests"] - before["requests"] == 6
     assert after["batches"] - before["batches"] < 6 and after["largest_batch_requests"] >= 2
     status, error = server.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
-    assert status == 400 and "unknown field `max_tokens`" in error["error"]
+    assert status == 400 and "unknown field `max_tokens`" in error["error"]["message"]
 
 
 @pytest.mark.parametrize("sampling", [

@@ -53,7 +53,9 @@ def test_parse_tests_splits_setup_value_assert_and_function_tests() -> None:
 
 
 @pytest.fixture(scope="module")
-def reward() -> CodeReward:
+def reward(_sandbox_problem) -> CodeReward:
+    if _sandbox_problem is not None:
+        pytest.skip(_sandbox_problem)
     return CodeReward(CodeOptions(wall_s=5))
 
 
@@ -70,7 +72,7 @@ def test_scores_fraction_and_all(reward: CodeReward) -> None:
     assert strict.version.startswith("code@1.0+all+")
 
 
-def test_timeout_fails_or_is_excluded_by_option() -> None:
+def test_timeout_fails_or_is_excluded_by_option(needs_sandbox) -> None:
     loop = "def lcm(a, b):\n    while True: pass"
     failed = CodeReward(CodeOptions(wall_s=1.5)).score(traj(loop), TESTS)
     assert (failed.total, failed.error_code) == (0.0, None) and failed.log.startswith("timeout 0/3")
@@ -114,7 +116,7 @@ def test_code_task_end_to_end_through_scoring(reward: CodeReward) -> None:
     assert [t.reward for t in pooled[:6]] == pytest.approx(expected)
 
 
-def test_math_helper_jail_has_no_env_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_math_helper_jail_has_no_env_no_network(needs_sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLCTL_CANARY_MATH", "leakme")
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -131,7 +133,7 @@ def test_math_helper_jail_has_no_env_no_network(monkeypatch: pytest.MonkeyPatch)
     assert symbolic.equal_bounded("2*x+x", "3*x", 60) == (True, "sympy")
 
 
-def test_program_and_tests_templates_grade_expression_completions() -> None:
+def test_program_and_tests_templates_grade_expression_completions(needs_sandbox) -> None:
     """An arithmetic row ("17") graded by executing the completion: the policy's output is the code."""
     arith = CodeReward(CodeOptions(program="answer = {code}", tests="assert answer == {reference}", wall_s=5))
     assert arith.score(traj("12+5"), "17").total == 1.0
@@ -142,7 +144,7 @@ def test_program_and_tests_templates_grade_expression_completions() -> None:
         CodeOptions(program="print(1)")
 
 
-def test_the_version_covers_templates_limits_and_scoring_rules() -> None:
+def test_the_version_covers_templates_limits_and_scoring_rules(needs_sandbox) -> None:
     """Changing how a program is graded (templates, any sandbox limit, scoring rule) changes the grader version,
     and with it the dataset version of a run (so a resume across the change is refused)."""
     base = CodeReward(CodeOptions())
@@ -155,3 +157,79 @@ def test_the_version_covers_templates_limits_and_scoring_rules() -> None:
     weaker = CodeReward(CodeOptions())
     weaker.sandbox.drop_flags = ("--unshare-net",)  # another jail grades differently
     assert weaker.fingerprint() != base.fingerprint()
+
+
+# -- grader tampering: every verdict comes from a process the graded code has no handle on -------------------
+
+# Assert-style and test_* tests (their verdicts are made in the jail) that an honest `answer() -> 41` fails.
+TAMPER_TESTS = ("assert answer() > 41\nassert answer() in (42, 43)\nassert abs(answer() - 42) < 1\n"
+                "assert isinstance(answer(), int) and answer() % 2 == 0\n"
+                "def test_answer():\n    assert answer() == 42\n")
+# Issue 25's forgery, made thorough: the nonce and the record descriptor from the harness's __main__ (or any
+# dict holding a nonce), forged "ok" records for every test on that descriptor (else on every one it has or can
+# open), then exit. On the harness before issue 25 it scored 1.0.
+FORGE_FROM_MAIN = r"""
+import gc, json, os, sys
+def answer(): return 41
+main = vars(sys.modules['__main__'])
+nonce = main.get('_nonce') or (main.get('_job') or {}).get('nonce')
+for obj in gc.get_objects() if nonce is None else ():
+    if isinstance(obj, dict) and isinstance(obj.get('nonce'), str):
+        nonce = obj['nonce']
+        break
+fds = [main['_fd']] if isinstance(main.get('_fd'), int) else list(range(64))  # one record each, or spray
+for path in ('/proc/%d/fd/1' % os.getppid(), '/proc/1/fd/1') if len(fds) > 1 else ():
+    try:
+        fds.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+lines = ''.join(json.dumps({'n': nonce or '', 'i': i, 'ok': True, 'value': ['int', '42']}) + '\n' for i in range(32))
+lines += json.dumps({'n': nonce or '', 'done': True}) + '\n'
+for fd in fds:
+    try:
+        os.write(fd, lines.encode())
+    except OSError:
+        pass
+os._exit(0)
+"""
+FORGING = {
+    "forge-from-main": FORGE_FROM_MAIN,
+    # the same records, but the solution stays alive and answers honestly afterwards
+    "forge-then-serve": FORGE_FROM_MAIN.replace("os._exit(0)", "pass"),
+    # built-ins the tests use, redefined to agree with anything
+    "shadow-builtins": "def answer(): return 41\ndef abs(x): return 0\ndef isinstance(*a): return True\n"
+                       "def all(*a): return True\nAssertionError = None\n",
+    # an object that claims to equal, contain and exceed everything
+    "always-true-object": "class T:\n    __eq__ = __gt__ = __lt__ = __contains__ = lambda *a: True\n"
+                          "    __mod__ = __sub__ = lambda *a: 0\n    __bool__ = lambda self: True\n"
+                          "    __hash__ = object.__hash__\n    def __abs__(self): return 0\n"
+                          "def answer(): return T()\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGING))
+def test_a_completion_that_forges_verdicts_scores_zero(reward: CodeReward, name: str) -> None:
+    """Issue 25: a completion that found the harness's nonce and record descriptor in its own interpreter
+    forged "ok" for every assert-style and test_* test. Now the tests run in a process it cannot reach."""
+    honest = reward.score(traj("def answer(): return 42"), TAMPER_TESTS)
+    assert honest.total == 1.0, honest.log  # the tests do pass a right answer through the process boundary
+    forged = reward.score(traj(FORGING[name]), TAMPER_TESTS)
+    assert forged.total == 0.0 and forged.error_code is None, forged.log
+
+
+def test_tests_reach_solution_objects_through_the_boundary(reward: CodeReward) -> None:
+    """Calls, attributes, classes, generators, exceptions, kwargs, the tests' imports and objects passed back
+    in all work across the two processes, so honest solutions keep their scores."""
+    solution = ("class Stack:\n    def __init__(self): self.items = []\n    def push(self, x): self.items.append(x)\n"
+                "    def __len__(self): return len(self.items)\n    def top(self): return self.items[-1]\n"
+                "def gen(n):\n    yield from range(n)\ndef div(a, b=1): return a / b\n"
+                "def roots(n): return {k: sqrt(k) for k in range(n)}\ndef peek(s): return s.top()\n"
+                "LIMIT = 3\n")
+    tests = ("from math import sqrt, isclose\nassert list(gen(3)) == [0, 1, 2]\nassert div(6, b=3) == 2.0\n"
+             "assert LIMIT == 3\nassert isclose(roots(5)[4], 2.0)\n"
+             "def test_stack():\n    s = Stack()\n    s.push(4)\n    s.push(5)\n    assert len(s) == 2 and s.top() == 5\n"
+             "    assert s.items == [4, 5] and peek(s) == 5\n"
+             "def test_raises():\n    try:\n        div(1, 0)\n    except ZeroDivisionError:\n        return\n"
+             "    assert False\n")
+    result = reward.score(traj(solution), tests)
+    assert result.total == 1.0, result.log

@@ -23,11 +23,13 @@ import torch
 
 from rlctl import WeightUpdate, hookimpl
 from rlctl.contracts.roles import (
+    CancellableRollout,
     CapturingLearner,
     CheckpointableLearner,
     ClosableLearner,
     LearnerBackend,
     LrScalable,
+    ReadableWeights,
     RestartableLearner,
     RolloutBackend,
     ShardedCheckpointLearner,
@@ -51,7 +53,7 @@ def protocol_members(*protocols: type) -> set[str]:
 
 LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner,
                                    ClosableLearner, CapturingLearner, RestartableLearner, LrScalable)
-ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout)
+ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout, CancellableRollout, ReadableWeights)
 
 
 class MinimalLearner:

