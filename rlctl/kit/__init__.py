@@ -29,6 +29,9 @@ version note. The groups:
 - memory arithmetic (KV-cache budgets): ``ModelShape``, ``from_hf_config``,
   ``kv_cache_bytes``, ``kv_budget_rows``, ``fmt_bytes``, ``parse_bytes``.
 - HTTP clients of servers: ``call_json``, ``CallError``, ``server_urls``.
+- engine servers rlctl starts itself (vLLM, SGLang): ``EngineServers``
+  (own process group, parent-death signal, health wait, logs, stop at exit
+  and on SIGTERM / SIGINT), ``free_ports``.
 - learners: ``TorchLearner`` and ``TorchLearnerOptions`` (the one-process
   torch learner, the base a sharded learner's rank extends), and the rank
   plumbing of sharded learners: ``RankGroup`` (the LearnerBackend over N
@@ -77,6 +80,9 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "HTTP clients of servers": {
         "rlctl.serve.client": ("call_json", "CallError", "server_urls"),
+    },
+    "engine servers": {
+        "rlctl.serve.engines": ("EngineServers", "free_ports"),
     },
     "learners": {
         "rlctl.kit.torch_options": ("TorchLearnerOptions",),

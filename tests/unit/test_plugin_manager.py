@@ -25,7 +25,7 @@ from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 
 BUILTINS = {
     "task_source": ["arith", "hf_disk", "jsonl", "parquet"],
-    "rollout_backend": ["local", "sglang"],
+    "rollout_backend": ["local", "sglang", "vllm"],
     "learner_backend": ["deepspeed", "fsdp2", "torch"],
     "critic_backend": ["torch"],
     "reward_function": ["code", "format", "length", "math", "reward_model"],
@@ -39,6 +39,7 @@ BUILTIN_PLUGINS = {
     "rewards": {"reward function": ("code", "format", "length", "math", "reward_model")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
+    "vllm": {"rollout backend": ("vllm",)},
     "torch_learner": {"learner backend": ("torch",), "critic backend": ("torch",)},
     "fsdp_learner": {"learner backend": ("fsdp2",)},
     "deepspeed_learner": {"learner backend": ("deepspeed",)},
@@ -142,7 +143,7 @@ def test_builtins_build(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "typo", "suggestion", "installed"),
     [
-        ("rollout_backend", "loacl", "local", "local, sglang"),
+        ("rollout_backend", "loacl", "local", "local, sglang, vllm"),
         ("reward_function", "maht", "math", "code, format, length, math, reward_model"),
         ("task_source", "jsnol", "jsonl", "arith, hf_disk, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "deepspeed, fsdp2, torch"),
@@ -333,7 +334,7 @@ def test_third_party_import_failure_names_the_plugin(third_party, monkeypatch) -
 def test_pinning_avoids_importing_a_broken_third_party(third_party, monkeypatch) -> None:
     third_party(FakeEntryPoint("flaky", ImportError("boom")))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "")
-    assert load_plugins().names("rollout_backend") == ["local", "sglang"]
+    assert load_plugins().names("rollout_backend") == ["local", "sglang", "vllm"]
 
 
 def test_two_packages_with_the_same_plugin_name(third_party, monkeypatch) -> None:

@@ -1,0 +1,308 @@
+"""The ``vllm`` rollout backend: drives vLLM OpenAI-API servers over HTTP, attached or launched by rlctl.
+
+What this is: a RolloutBackend over one or more vLLM servers:
+
+- servers: ``servers: [URL, ...]`` attaches to running ones; a ``launch``
+  block starts them (``rlctl.kit.EngineServers``: own process group,
+  parent-death signal, logs, stopped at exit / Ctrl-C / SIGTERM) with
+  ``--dtype float32 --enforce-eager --logprobs-mode processed_logprobs``.
+- generate: tokens in, tokens out. All G samples of a prompt go to one
+  server (a stable hash of the prompt id) in one ``/v1/completions`` call
+  with the prompt as token ids, ``n: G``, ``logprobs: 0`` and
+  ``return_tokens_as_token_ids``; the answers' ``token_id:N`` tokens and
+  ``token_logprobs`` become the Trajectory's response tokens and behaviour
+  logprobs (after temperature / top-k / top-p: processed_logprobs), and
+  finish_reason its terminal reason. No text round trip.
+- update_weights: publish the version (the disk transport's atomic
+  manifest), then check the version's tensor names, shapes and dtypes
+  against what the servers serve *before* any server is touched (a refused
+  version leaves every server on the old weights); then per server
+  ``/pause?mode=wait``, ``/collective_rpc reload_weights``, verify the
+  engine's own ``/weight_checker`` digests against digests computed from
+  the published bytes, ``/resume``. A server that fails any of these is
+  fenced: it gets no work until a later sync succeeds on it, and the call
+  raises naming it (the learner stays paused).
+
+Digests: the CPU build repacks linear weights and reports the digest of
+zero bytes for them, so on CPU the check covers the embedding and the
+norms; every parameter whose digest is not empty is compared.
+
+What this is not: a restarter of servers that die, or the overlapped-mode
+partial-rollout machinery (issue 21 items not built yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
+from rlctl.contracts.types import RolloutContext, TerminalReason
+from rlctl.kit import Broadcaster, EngineServers, SyncOptions, report_recovery, weight_transport
+from rlctl_vllm.client import ServerError, VLLMClient
+from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout
+from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions
+
+
+def launch_argv(launch: LaunchOptions, model_dir: str) -> list[str]:
+    """The command of one launched server (``{port}`` filled in per server)."""
+    python = launch.python
+    if not Path(python).exists():
+        raise RoleError(f"rollout.options.launch.python {python!r} does not exist",
+                        f"install vLLM in its own venv: `{VLLM_INSTALL}`, or point launch.python at its interpreter")
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", launch.dtype,
+            "--enforce-eager", "--host", "127.0.0.1", "--port", "{port}", "--logprobs-mode", "processed_logprobs",
+            *launch.engine_args]
+
+
+def _log_dir(launch: LaunchOptions) -> Path:
+    if launch.log_dir:
+        return Path(launch.log_dir)
+    home = Path(os.environ.get("RLCTL_HOME", Path.home() / ".rlctl"))
+    return home / "engines" / f"vllm-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class VLLMRollout:
+    """RolloutBackend over vLLM servers."""
+
+    def __init__(self, ctx: RolloutContext, options: VLLMOptions) -> None:
+        self.options, self.ctx = options, ctx
+        self.policy_version = ctx.policy_version
+        self.tokenizer_hash = ctx.tokenizer_hash
+        self.eos_ids = _eos_ids(Path(ctx.model_dir))
+        self.engines: EngineServers | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
+        self._own_dir = options.publish_dir is None
+        extra = [Path(ctx.model_dir) / n for n in ("config.json", "generation_config.json")]
+        self.broadcaster = Broadcaster(
+            weight_transport(options.weight_sync, options.weight_sync_options, root, extra,
+                             where="rollout.options.weight_sync_options"),
+            SyncOptions(encoding="raw", delta=False, bucket_bytes=options.bucket_bytes))
+        self.served = layout(ctx.model_dir)  # what every in-sync server holds: names -> (dtype, shape)
+        self.fenced: dict[str, str] = {}  # url -> why it serves nothing
+        self.last_sync: dict[str, float] = {}
+        self._calls = 0
+        try:
+            self._start(ctx, options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ctx: RolloutContext, options: VLLMOptions) -> None:
+        urls = options.servers or []
+        if options.launch is not None:
+            launch = options.launch
+            env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}", **launch.env}
+            self.engines = EngineServers(launch_argv(launch, str(ctx.model_dir)), count=launch.num_servers,
+                                         ports=launch.port_range, log_dir=_log_dir(launch), env=env,
+                                         startup_timeout_s=launch.startup_timeout_s, name="vLLM").start()
+            urls = self.engines.urls
+        api_key = os.environ.get(options.api_key_env) or None
+        self.clients = [VLLMClient(url, options.timeout_s, api_key) for url in urls]
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.clients)), thread_name_prefix="rlctl-vllm")
+        self.model_ids = {c.url: c.model_id() for c in self.clients}
+        if options.launch is None and options.sync_on_start:
+            self._sync_all(str(ctx.model_dir))
+
+    @property
+    def startup_s(self) -> list[float]:
+        return list(self.engines.startup_s) if self.engines else []
+
+    # -- weight sync -----------------------------------------------------------------------
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        report = self.broadcaster.publish(update, full=True)  # visible only once its manifest is committed
+        if not report.location:
+            raise RoleError(f"weight transport {self.options.weight_sync!r} published version {report.version} "
+                            "nowhere a server can read by path", "use rollout.options.weight_sync=disk")
+        self.policy_version = update.version
+        self._sync_all(report.location)
+        self.last_sync["weight_sync_bytes"] = float(report.num_bytes)
+        self.last_sync["weight_sync_publish_s"] = report.latency_s
+
+    def _sync_all(self, path: str) -> None:
+        """Load ``path`` on every server, or refuse it before any server is touched."""
+        problems = differences(self.served, layout(path))
+        if problems:
+            report_recovery("weight_sync_failed", f"weight version {self.policy_version} refused before loading: "
+                            f"{'; '.join(problems)}", {"version": self.policy_version, "stage": "layout"})
+            raise RoleError(f"weight version {self.policy_version} at {path} does not match what the vLLM servers "
+                            f"serve ({'; '.join(problems)}); nothing was loaded, the servers keep the previous "
+                            "version", "publish the same architecture the servers were started with (vLLM "
+                            "reloads in place: a new shape needs new servers)")
+        started = time.monotonic()
+        futures = [(c, self._pool.submit(self._sync_one, c, path)) for c in self.clients]
+        errors = [(c, f.exception()) for c, f in futures if f.exception() is not None]
+        self.last_sync = {"weight_sync_s": time.monotonic() - started}
+        for client, err in errors:
+            self.fenced[client.url] = str(err)
+            report_recovery("rollout_server_fenced", f"{client.url} fenced at weight version "
+                            f"{self.policy_version}: {err}", {"server": client.url, "version": self.policy_version})
+        if errors:
+            client, err = errors[0]
+            raise RoleError(f"weight version {self.policy_version} failed on {client.url} ({err}); that server is "
+                            "fenced and serves nothing until a sync succeeds on it",
+                            "read the server's log; the learner stays paused at this version; see `rlctl runbook "
+                            "show weight-sync-failure`")
+
+    def _sync_one(self, client: VLLMClient, path: str) -> None:
+        client.pause()
+        try:
+            answer = client.reload_weights(path)
+            if not (isinstance(answer, dict) and isinstance(answer.get("results"), list)):
+                raise RoleError(f"{client.url}: reload_weights answered {str(answer)[:200]!r}",
+                                "the server must run with VLLM_SERVER_DEV_MODE=1")
+            if self.options.verify_checksums:
+                self._verify(client, path)
+        except BaseException:
+            self.fenced[client.url] = "a weight reload did not complete"  # fenced before it can serve again
+            try:
+                client.resume()  # its queue must not hang; it still gets no work while fenced
+            except ServerError:
+                pass
+            raise
+        self.fenced.pop(client.url, None)
+        client.resume()
+
+    def _verify(self, client: VLLMClient, path: str) -> None:
+        served = {n: d for n, d in client.checksums().items() if d != EMPTY_SHA256}
+        expected = expected_digests(path, list(served))
+        wrong = sorted(n for n, d in expected.items() if served[n] != d)
+        if wrong or not expected:
+            raise RoleError(f"{client.url}: after reloading {path} the engine's weight checksums differ from the "
+                            f"published bytes for {wrong[:5] or 'every parameter (none comparable)'}",
+                            "the reload was partial or read other bytes; the server is fenced")
+
+    # -- RolloutBackend ----------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        if not requests:
+            return []
+        self._calls += 1
+        started = time.time()
+        ready = [i for i, c in enumerate(self.clients) if c.url not in self.fenced]
+        if not ready:
+            raise RolloutUnavailable(f"every vLLM server is fenced ({'; '.join(self.fenced.values())})",
+                                     "read the servers' logs and fix the weight sync, then `rlctl resume`")
+        answers: dict[int, list[dict[str, Any]]] = {}
+        pending = list(range(len(requests)))
+        for _ in range(self.options.retries + 1):
+            futures = {k: self._pool.submit(self._complete, self.clients[self._route(requests[k].prompt_id, ready)],
+                                            requests[k]) for k in pending}
+            pending = []
+            for k, future in futures.items():
+                error = future.exception()
+                if error is None:
+                    answers[k] = future.result()
+                elif isinstance(error, ServerError) and error.unreachable and len(ready) > 1:
+                    url = error.url
+                    ready = [i for i in ready if self.clients[i].url != url]
+                    report_recovery("rollout_server_lost", f"{url} unreachable during generate ({error}); its "
+                                    "prompt groups are generated again, whole", {"server": url})
+                    pending.append(k)
+                else:
+                    raise error
+            if not pending:
+                break
+        if pending:
+            raise RolloutUnavailable("vLLM servers kept failing past the retry bound", "read the servers' logs")
+        return [t for k, req in enumerate(requests) for t in self._trajectories(req, answers[k], started)]
+
+    def _route(self, prompt_id: str, ready: Sequence[int]) -> int:
+        """Group-sticky: a prompt's server by a stable hash (prefix-cache reuse)."""
+        h = int(hashlib.sha1(prompt_id.encode()).hexdigest()[:12], 16)
+        return ready[h % len(ready)]
+
+    def _complete(self, client: VLLMClient, req: RolloutRequest) -> list[dict[str, Any]]:
+        s = req.sampling
+        body: dict[str, Any] = {
+            "model": self.model_ids[client.url], "prompt": list(req.prompt_tokens), "n": req.group_size,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False, "seed": _seed(self.ctx.seed, req.prompt_id, self._calls)}
+        if s.stop:
+            body["stop"] = list(s.stop)
+            body["include_stop_str_in_output"] = True  # keep the text aligned with the tokens
+        choices = sorted(client.completions(body).get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != req.group_size:
+            raise RoleError(f"{client.url} answered {len(choices)} completions for n={req.group_size}",
+                            "check the server's log")
+        return choices
+
+    def _trajectories(self, req: RolloutRequest, choices: Sequence[Mapping[str, Any]],
+                      started: float) -> list[Trajectory]:
+        out = []
+        for g, choice in enumerate(choices):
+            tokens, logprobs = _parse(choice)
+            out.append(Trajectory.create(
+                id=f"{req.prompt_id}/v{self.policy_version}/c{self._calls}/{g}", prompt_id=req.prompt_id,
+                group_index=g, dataset_version=req.dataset_version, policy_version=self.policy_version,
+                tokenizer_hash=self.tokenizer_hash, prompt_tokens=tuple(req.prompt_tokens),
+                response_tokens=tokens, response_text=str(choice.get("text", "")), action_mask=(1,) * len(tokens),
+                behavior_logprobs=logprobs, sampling_config=req.sampling,
+                terminal_reason=self._reason(choice, tokens), rollout_started_at=started))
+        return out
+
+    def _reason(self, choice: Mapping[str, Any], tokens: Sequence[int]) -> TerminalReason:
+        finish = choice.get("finish_reason")
+        if finish == "length":
+            return TerminalReason.LENGTH
+        if finish == "stop":
+            if choice.get("stop_reason") is None or (tokens and tokens[-1] in self.eos_ids):
+                return TerminalReason.EOS
+            return TerminalReason.STOP
+        return TerminalReason.ABORT
+
+    def health(self) -> Mapping[str, Any]:
+        servers = [{"url": c.url, "healthy": c.healthy(), "fenced": self.fenced.get(c.url)} for c in self.clients]
+        return {"ok": all(s["healthy"] and not s["fenced"] for s in servers), "policy_version": self.policy_version,
+                "servers": servers, "last_sync": dict(self.last_sync), "startup_s": self.startup_s}
+
+    def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
+        return {}  # the weights live in the vLLM server processes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.engines is not None:
+            self.engines.stop()
+        if self._own_dir:
+            shutil.rmtree(self.broadcaster.transport.root, ignore_errors=True)
+
+
+def _parse(choice: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    lp = choice.get("logprobs") or {}
+    names, values = lp.get("tokens") or [], lp.get("token_logprobs") or []
+    if len(names) != len(values) or not all(isinstance(t, str) and t.startswith("token_id:") for t in names):
+        raise RoleError(f"a vLLM answer has {len(names)} tokens and {len(values)} logprobs, or tokens not as ids",
+                        "the request sets logprobs: 0 and return_tokens_as_token_ids; is this a vLLM server?")
+    tokens = tuple(int(t.split(":", 1)[1]) for t in names)
+    logprobs = tuple(float(v) for v in values)
+    if not all(v <= 0.0 and v == v and v != float("-inf") for v in logprobs):
+        raise RoleError("a vLLM answer has a non-finite or positive logprob",
+                        "the engine's numerics are broken; check its dtype and log")
+    return tokens, logprobs
+
+
+def _seed(seed: int, prompt_id: str, call: int) -> int:
+    return int(hashlib.sha1(f"{seed}/{prompt_id}/{call}".encode()).hexdigest()[:8], 16)
+
+
+def _eos_ids(model_dir: Path) -> set[int]:
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return ids
+
