@@ -235,6 +235,11 @@ class TrainConfig(_Strict):
         "Prometheus text format at http://127.0.0.1:PORT/metrics while the run trains; 0 picks a free port "
         "(written to <run_dir>/metrics.url); null = off."
     )
+    logprob_mismatch_bound: float | None = Field(
+        None, gt=0, description="Stop the run with an error naming the step when the step's logprob_mismatch_max "
+        "(max |behaviour logprob from the rollout engine - the learner's recomputation| over the step's tokens, "
+        "before the update) exceeds this; null = off. In fp32 on CPU, vLLM and rlctl's engine stay below 1e-5."
+    )
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
 
+from rlctl.contracts.errors import RoleError
 from rlctl.contracts.roles import MetricSink
 from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
@@ -55,9 +56,11 @@ class StepEnd:
     def log(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Write the step's metrics where due; whether the budget is spent (the loop stops after this step)."""
         spent = self.spec.spent(metrics["generated_tokens_total"])
-        if self.spec.logs(step, spent):
+        bound, mismatch = self.spec.logprob_mismatch_bound, metrics.get("logprob_mismatch_max")
+        if self.spec.logs(step, spent) or (bound is not None and mismatch is not None and mismatch > bound):
             for sink in self.sinks:
                 sink.write(step, metrics)
+        check_mismatch(step, mismatch, bound)
         return spent
 
     def save(self, step: int, metrics: Mapping[str, float], queue_cursor: Mapping[str, object] | None = None) -> None:
@@ -68,6 +71,18 @@ class StepEnd:
     def observe(self, step: int, metrics: Mapping[str, float]) -> None:
         if self.observer is not None:
             self.observer(step, metrics)
+
+
+def check_mismatch(step: int, mismatch: float | None, bound: float | None) -> None:
+    """Stop the run (RoleError naming ``step``) when the engine's and the learner's logprobs drift past ``bound``."""
+    if bound is None or mismatch is None or mismatch <= bound:
+        return
+    raise RoleError(f"step {step}: logprob_mismatch_max {mismatch:.3g} exceeds train.logprob_mismatch_bound {bound:g}: "
+                    "the rollout engine's behaviour logprobs and the learner's recomputation of the same tokens "
+                    "disagree, so every importance ratio of this step is off",
+                    "check that the engine serves the learner's current weights in the same dtype and samples "
+                    "with the logprobs the learner recomputes (vLLM: --logprobs-mode processed_logprobs); raise "
+                    "the bound only if the gap is expected (bf16 engines)")
 
 
 def run_sync(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,

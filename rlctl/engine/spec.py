@@ -61,6 +61,7 @@ class LoopSpec:
     log_every: int = 1  # sinks get every log_every-th step and the last one
     max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
     critic_warmup_steps: int = 0  # steps that train only the critic (read only when there is a critic)
+    logprob_mismatch_bound: float | None = None  # stop when a step's logprob_mismatch_max exceeds this
     verifier_retries: int = 0  # re-score a timed-out / crashed sample with a fresh grader up to N times
     queue: QueueSpec = field(default_factory=QueueSpec)
 
@@ -104,7 +105,8 @@ class LoopSpec:
                    max_tokens=config.rollout.max_tokens, kl_coef=a.kl.coef, kl_placement=a.kl.placement,
                    kl_estimator=a.kl.estimator, log_every=config.train.log_every,
                    max_generated_tokens=config.train.max_generated_tokens, critic_warmup_steps=a.critic.warmup_steps,
-                   verifier_retries=config.faults.verifier_retries, queue=queue)
+                   verifier_retries=config.faults.verifier_retries, queue=queue,
+                   logprob_mismatch_bound=config.train.logprob_mismatch_bound)
 
 
 def overlapped(config: "RunConfig") -> bool:
