@@ -19,13 +19,16 @@ What this is: a RolloutBackend over one or more vLLM servers:
   version leaves every server on the old weights); then per server
   ``/pause?mode=wait``, ``/collective_rpc reload_weights``, verify the
   engine's own ``/weight_checker`` digests against digests computed from
-  the published bytes, ``/resume``. A server that fails any of these is
+  the learner's tensors (so a shard damaged on disk after the publish is
+  caught), ``/resume``. A server that fails any of these is
   fenced: it gets no work until a later sync succeeds on it, and the call
   raises naming it (the learner stays paused).
 
 Digests: the CPU build repacks linear weights and reports the digest of
 zero bytes for them, so on CPU the check covers the embedding and the
-norms; every parameter whose digest is not empty is compared.
+norms; every parameter whose digest is not empty is compared. A failed
+check means the in-place reload already happened: the server is fenced
+(serves nothing) until a later sync to a good version succeeds on it.
 
 What this is not: a restarter of servers that die, or the overlapped-mode
 partial-rollout machinery (issue 21 items not built yet).
@@ -47,7 +50,7 @@ from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, Wei
 from rlctl.contracts.types import RolloutContext, TerminalReason
 from rlctl.kit import Broadcaster, EngineServers, SyncOptions, report_recovery, weight_transport
 from rlctl_vllm.client import ServerError, VLLMClient
-from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout
+from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout, state_digests
 from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions
 
 
@@ -124,11 +127,11 @@ class VLLMRollout:
             raise RoleError(f"weight transport {self.options.weight_sync!r} published version {report.version} "
                             "nowhere a server can read by path", "use rollout.options.weight_sync=disk")
         self.policy_version = update.version
-        self._sync_all(report.location)
+        self._sync_all(report.location, update.state_dict)
         self.last_sync["weight_sync_bytes"] = float(report.num_bytes)
         self.last_sync["weight_sync_publish_s"] = report.latency_s
 
-    def _sync_all(self, path: str) -> None:
+    def _sync_all(self, path: str, state: Mapping[str, Any] | None = None) -> None:
         """Load ``path`` on every server, or refuse it before any server is touched."""
         problems = differences(self.served, layout(path))
         if problems:
@@ -139,7 +142,7 @@ class VLLMRollout:
                             "version", "publish the same architecture the servers were started with (vLLM "
                             "reloads in place: a new shape needs new servers)")
         started = time.monotonic()
-        futures = [(c, self._pool.submit(self._sync_one, c, path)) for c in self.clients]
+        futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in self.clients]
         errors = [(c, f.exception()) for c, f in futures if f.exception() is not None]
         self.last_sync = {"weight_sync_s": time.monotonic() - started}
         for client, err in errors:
@@ -153,7 +156,7 @@ class VLLMRollout:
                             "read the server's log; the learner stays paused at this version; see `rlctl runbook "
                             "show weight-sync-failure`")
 
-    def _sync_one(self, client: VLLMClient, path: str) -> None:
+    def _sync_one(self, client: VLLMClient, path: str, state: Mapping[str, Any] | None) -> None:
         client.pause()
         try:
             answer = client.reload_weights(path)
@@ -161,7 +164,7 @@ class VLLMRollout:
                 raise RoleError(f"{client.url}: reload_weights answered {str(answer)[:200]!r}",
                                 "the server must run with VLLM_SERVER_DEV_MODE=1")
             if self.options.verify_checksums:
-                self._verify(client, path)
+                self._verify(client, path, state)
         except BaseException:
             self.fenced[client.url] = "a weight reload did not complete"  # fenced before it can serve again
             try:
@@ -172,13 +175,14 @@ class VLLMRollout:
         self.fenced.pop(client.url, None)
         client.resume()
 
-    def _verify(self, client: VLLMClient, path: str) -> None:
+    def _verify(self, client: VLLMClient, path: str, state: Mapping[str, Any] | None) -> None:
+        """The engine's own digests against the learner's tensors (or, at startup, the model directory's bytes)."""
         served = {n: d for n, d in client.checksums().items() if d != EMPTY_SHA256}
-        expected = expected_digests(path, list(served))
+        expected = state_digests(state, list(served)) if state is not None else expected_digests(path, list(served))
         wrong = sorted(n for n, d in expected.items() if served[n] != d)
         if wrong or not expected:
             raise RoleError(f"{client.url}: after reloading {path} the engine's weight checksums differ from the "
-                            f"published bytes for {wrong[:5] or 'every parameter (none comparable)'}",
+                            f"learner's weights for {wrong[:5] or 'every parameter (none comparable)'}",
                             "the reload was partial or read other bytes; the server is fenced")
 
     # -- RolloutBackend ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Any, Mapping
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # what the CPU build reports for repacked linear weights
@@ -66,15 +67,38 @@ def _digest(parts: list[tuple[Path, int, dict]], pad_rows_to: int = 1) -> str:
     return h.hexdigest()
 
 
+def _sources(name: str) -> list[str]:
+    """The checkpoint tensors a served parameter is made of, in concatenation order."""
+    stem, _, leaf = name.rpartition(".")  # model.layers.0.self_attn.qkv_proj . weight
+    module, _, kind = stem.rpartition(".")
+    return [f"{module}.{part}.{leaf}" for part in _FUSED[kind]] if kind in _FUSED else [name]
+
+
 def expected_digests(directory: str | Path, served_names: list[str]) -> dict[str, str]:
     """For each served parameter whose bytes the directory determines (float32), the digest vLLM reports."""
     heads = _headers(directory)
     out: dict[str, str] = {}
     for name in served_names:
-        stem, _, leaf = name.rpartition(".")  # model.layers.0.self_attn.qkv_proj . weight
-        module, _, kind = stem.rpartition(".")
-        sources = [f"{module}.{part}.{leaf}" for part in _FUSED[kind]] if kind in _FUSED else [name]
-        parts = [heads.get(s) for s in sources]
+        parts = [heads.get(s) for s in _sources(name)]
         if all(p is not None and p[2]["dtype"] == "F32" for p in parts):
             out[name] = _digest(parts, VOCAB_PADDING if "embed_tokens" in name else 1)  # type: ignore[arg-type]
+    return out
+
+
+def state_digests(state: Mapping[str, Any], served_names: list[str]) -> dict[str, str]:
+    """The same digests from the learner's own float32 tensors (``WeightUpdate.state_dict``), not from disk:
+    a shard damaged between the publish and the reload shows up as a mismatch."""
+    out: dict[str, str] = {}
+    for name in served_names:
+        parts = [state.get(s) for s in _sources(name)]
+        if not all(p is not None and str(p.dtype) == "torch.float32" for p in parts):
+            continue
+        h = hashlib.sha256()
+        for tensor in parts:
+            data = tensor.detach().cpu().contiguous().numpy().tobytes()
+            h.update(data)
+            if "embed_tokens" in name:
+                rows = tensor.shape[0]
+                h.update(bytes((-rows % VOCAB_PADDING) * (len(data) // max(1, rows))))
+        out[name] = h.hexdigest()
     return out

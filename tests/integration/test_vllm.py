@@ -214,3 +214,31 @@ def test_sigkilled_rlctl_leaves_no_engine_process(vllm_model_dir, tmp_path):
 def _group_members(pgid):
     out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout.split("\n")
     return [line for line in out if line.split()[1:2] == [str(pgid)] and not line.split()[2].startswith("Z")]
+
+
+def test_damaged_shard_fails_the_checksum_and_fences_the_server(vllm_backend, vllm_model_dir, monkeypatch):
+    """Bit rot between publish and reload: the engine's own digests disagree with the learner's tensors."""
+    from rlctl import RolloutUnavailable
+    from rlctl.contracts.errors import RoleError
+    from rlctl_vllm.layout import _headers
+
+    publish = vllm_backend.broadcaster.publish
+
+    def damaged(update, **kw):
+        report = publish(update, **kw)
+        path, base, entry = _headers(report.location)["model.norm.weight"]
+        with open(path, "r+b") as f:
+            f.seek(base + entry["data_offsets"][0])
+            f.write(b"\x00\x00\x80\x7f")  # one float of the final norm becomes +inf
+        return report
+
+    _, original = _state(vllm_model_dir)
+    monkeypatch.setattr(vllm_backend.broadcaster, "publish", damaged)
+    with pytest.raises(RoleError, match="checksums differ .*model.norm.weight"):
+        vllm_backend.update_weights(_update(10, original))
+    assert vllm_backend.clients[0].url in vllm_backend.fenced
+    with pytest.raises(RolloutUnavailable, match="fenced"):
+        vllm_backend.generate(_requests(vllm_model_dir, group_size=1))
+    monkeypatch.setattr(vllm_backend.broadcaster, "publish", publish)
+    vllm_backend.update_weights(_update(11, original))  # a good version unfences it
+    assert not vllm_backend.fenced and len(vllm_backend.generate(_requests(vllm_model_dir, group_size=1))) == 4
