@@ -30,8 +30,13 @@ norms; every parameter whose digest is not empty is compared. A failed
 check means the in-place reload already happened: the server is fenced
 (serves nothing) until a later sync to a good version succeeds on it.
 
-What this is not: a restarter of servers that die, or the overlapped-mode
-partial-rollout machinery (issue 21 items not built yet).
+Launched servers that die are restarted (same port) and brought to the
+current version before they get work again (``rollout_server_lost``,
+``rollout_server_restarted`` events); an attached server that stops
+answering is fenced and its groups go, whole, to the others.
+
+What this is not: the overlapped-mode partial-rollout machinery (issue 21
+items not built yet).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class VLLMRollout:
         self.fenced: dict[str, str] = {}  # url -> why it serves nothing
         self.last_sync: dict[str, float] = {}
         self._calls = 0
+        self.current_path = str(ctx.model_dir)  # what an in-sync server holds (a restarted one is brought here)
         try:
             self._start(ctx, options)
         except BaseException:
@@ -142,13 +148,19 @@ class VLLMRollout:
                             "version", "publish the same architecture the servers were started with (vLLM "
                             "reloads in place: a new shape needs new servers)")
         started = time.monotonic()
-        futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in self.clients]
+        clients = [c for c in self.clients if c.url not in self.fenced or c.healthy(timeout_s=2.0)]
+        if not clients:
+            raise RolloutUnavailable(f"no vLLM server answers to load weight version {self.policy_version}",
+                                     "start the servers (or fix the network), then `rlctl resume`")
+        futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in clients]
         errors = [(c, f.exception()) for c, f in futures if f.exception() is not None]
         self.last_sync = {"weight_sync_s": time.monotonic() - started}
         for client, err in errors:
             self.fenced[client.url] = str(err)
             report_recovery("rollout_server_fenced", f"{client.url} fenced at weight version "
                             f"{self.policy_version}: {err}", {"server": client.url, "version": self.policy_version})
+        if not errors:
+            self.current_path = path
         if errors:
             client, err = errors[0]
             raise RoleError(f"weight version {self.policy_version} failed on {client.url} ({err}); that server is "
@@ -192,33 +204,57 @@ class VLLMRollout:
             return []
         self._calls += 1
         started = time.time()
-        ready = [i for i, c in enumerate(self.clients) if c.url not in self.fenced]
-        if not ready:
-            raise RolloutUnavailable(f"every vLLM server is fenced ({'; '.join(self.fenced.values())})",
-                                     "read the servers' logs and fix the weight sync, then `rlctl resume`")
         answers: dict[int, list[dict[str, Any]]] = {}
         pending = list(range(len(requests)))
         for _ in range(self.options.retries + 1):
+            ready = self._ready()
             futures = {k: self._pool.submit(self._complete, self.clients[self._route(requests[k].prompt_id, ready)],
                                             requests[k]) for k in pending}
-            pending = []
+            pending, lost = [], set()
             for k, future in futures.items():
                 error = future.exception()
                 if error is None:
                     answers[k] = future.result()
-                elif isinstance(error, ServerError) and error.unreachable and len(ready) > 1:
-                    url = error.url
-                    ready = [i for i in ready if self.clients[i].url != url]
-                    report_recovery("rollout_server_lost", f"{url} unreachable during generate ({error}); its "
-                                    "prompt groups are generated again, whole", {"server": url})
-                    pending.append(k)
+                elif isinstance(error, ServerError) and error.unreachable:
+                    pending.append(k)  # the whole group again, on a server that answers
+                    lost.add(error.url)
                 else:
                     raise error
+            for url in sorted(lost):
+                report_recovery("rollout_server_lost", f"{url} unreachable during generate; its prompt groups are "
+                                "generated again, whole", {"server": url})
+                if self.engines is None:
+                    self.fenced[url] = "unreachable during generate"
             if not pending:
                 break
         if pending:
             raise RolloutUnavailable("vLLM servers kept failing past the retry bound", "read the servers' logs")
         return [t for k, req in enumerate(requests) for t in self._trajectories(req, answers[k], started)]
+
+    def _ready(self) -> list[int]:
+        """Servers that may get work: launched ones that died are restarted and resynced first."""
+        if self.engines is not None:
+            for i, client in enumerate(self.clients):
+                if not self.engines.alive(i):
+                    self._restart(i, client)
+        ready = [i for i, c in enumerate(self.clients) if c.url not in self.fenced]
+        if not ready:
+            raise RolloutUnavailable(f"every vLLM server is fenced ({'; '.join(self.fenced.values())})",
+                                     "read the servers' logs and fix the weight sync, then `rlctl resume`")
+        return ready
+
+    def _restart(self, i: int, client: VLLMClient) -> None:
+        report_recovery("rollout_server_lost", f"launched vLLM server {client.url} exited; restarting it",
+                        {"server": client.url, "log": str(self.engines.log_path(i))})
+        self.fenced[client.url] = "restarting"
+        started = time.monotonic()
+        self.engines.restart(i)  # it starts on the run's starting model
+        if self.current_path != str(self.ctx.model_dir):
+            self._sync_one(client, self.current_path, None)  # raises (fenced) if the current version fails
+        self.fenced.pop(client.url, None)
+        report_recovery("rollout_server_restarted", f"{client.url} restarted and confirmed at weight version "
+                        f"{self.policy_version} in {time.monotonic() - started:.1f}s",
+                        {"server": client.url, "version": self.policy_version})
 
     def _route(self, prompt_id: str, ready: Sequence[int]) -> int:
         """Group-sticky: a prompt's server by a stable hash (prefix-cache reuse)."""
