@@ -327,6 +327,21 @@ class VLLMRollout:
         return {"ok": all(s["healthy"] and not s["fenced"] for s in servers), "policy_version": self.policy_version,
                 "servers": servers, "last_sync": dict(self.last_sync), "startup_s": self.startup_s}
 
+    def use_run_dir(self, run_dir: str) -> None:
+        """RunDirAware: move the launched servers' logs to ``<run_dir>/engines/`` (open logs keep writing there;
+        across file systems a link there points at them instead)."""
+        if self.engines is None:
+            return
+        target = Path(run_dir) / "engines"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self.engines.log_dir, target)
+        except OSError:
+            if not target.exists():
+                target.symlink_to(self.engines.log_dir.resolve(), target_is_directory=True)
+            return
+        self.engines.log_dir = target
+
     def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
         return {}  # the weights live in the vLLM server processes
 

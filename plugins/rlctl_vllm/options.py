@@ -28,7 +28,8 @@ class LaunchOptions(BaseModel):
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE of each server (CPU build), GiB.")
     startup_timeout_s: float = Field(300.0, gt=0, description="How long to wait for a server's /health.")
     log_dir: str | None = Field(None, description="Where server-<i>.log go. Default: "
-                                "$RLCTL_HOME/engines/vllm-<pid>-<time>.")
+                                "$RLCTL_HOME/engines/vllm-<pid>-<time>, moved to <run_dir>/engines once the "
+                                "training run's directory exists.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the servers "
                                 "(VLLM_SERVER_DEV_MODE=1 is always set: the weight-reload routes need it).")
 

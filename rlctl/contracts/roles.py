@@ -87,6 +87,14 @@ class CancellableRollout(Protocol):
 
 
 @runtime_checkable
+class RunDirAware(Protocol):
+    """A rollout backend with files of its own that belong to the run, e.g. the logs of engine servers it
+    launched (optional). Told the run's directory once the run exists (after the backend was built)."""
+
+    def use_run_dir(self, run_dir: str) -> None: ...
+
+
+@runtime_checkable
 class ReadableWeights(Protocol):
     """A rollout backend that can show the weights it serves (optional): the base a delta update applies to,
     and the layout (names, shapes, dtypes) a server checks an update against before it loads it."""

@@ -146,7 +146,11 @@ class Run:
 
     def adopt(self, placement: "Placement") -> "Roles":
         """Own ``placement`` (the run closes it when it ends); its roles."""
+        from rlctl.contracts.roles import RunDirAware
+
         self._placement = placement
+        if isinstance(placement.roles.rollout, RunDirAware):  # e.g. launched engine servers' logs
+            placement.roles.rollout.use_run_dir(str(self.dir.root))
         return placement.roles
 
     @property

@@ -32,6 +32,7 @@ from rlctl.contracts.roles import (
     ReadableWeights,
     RestartableLearner,
     RolloutBackend,
+    RunDirAware,
     ShardedCheckpointLearner,
     StatefulRollout,
 )
@@ -53,7 +54,8 @@ def protocol_members(*protocols: type) -> set[str]:
 
 LEARNER_MEMBERS = protocol_members(LearnerBackend, CheckpointableLearner, ShardedCheckpointLearner,
                                    ClosableLearner, CapturingLearner, RestartableLearner, LrScalable)
-ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout, CancellableRollout, ReadableWeights)
+ROLLOUT_MEMBERS = protocol_members(RolloutBackend, StatefulRollout, CancellableRollout, ReadableWeights,
+                                   RunDirAware)
 
 
 class MinimalLearner:
