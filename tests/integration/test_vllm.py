@@ -228,6 +228,21 @@ def _group_members(pgid):
     return [line for line in out if line.split()[1:2] == [str(pgid)] and not line.split()[2].startswith("Z")]
 
 
+def test_mismatch_bound_stops_the_run_naming_the_step(vllm_backend, tmp_path):
+    """vLLM's fp32 mismatch (~1e-6) is above a 1e-9 bound: the run stops at step 0 with one error line."""
+    url = vllm_backend.clients[0].url
+    cmd = [sys.executable, "-m", "rlctl.cli.app", "train", str(REPO / "configs" / "quickstart.yaml"), *VLLM_OVERRIDES,
+           "rollout.backend=vllm", f'rollout.options={{"servers": ["{url}"]}}', "train.steps=2", "train.seeds=1",
+           "algo.prompts_per_step=4", "algo.group_size=4", "eval.at_end=false", "checkpoint.every_steps=100",
+           "train.logprob_mismatch_bound=1e-9"]
+    env = {k: v for k, v in os.environ.items() if k != "RLCTL_DEBUG"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "step 0: logprob_mismatch_max" in errors[0], out.stderr[-2000:]
+
+
 def test_damaged_shard_fails_the_checksum_and_fences_the_server(vllm_backend, vllm_model_dir, monkeypatch):
     """Bit rot between publish and reload: the engine's own digests disagree with the learner's tensors."""
     from rlctl import RolloutUnavailable
