@@ -125,6 +125,44 @@ def _hf_greedy(model, model_dir, max_tokens=6, eos=2):
     return out
 
 
+def test_dead_server_is_restarted_and_sigkilled_rlctl_leaves_no_engine_process(vllm_model_dir, tmp_path):
+    """A throwaway rlctl process launches a server, loses it (SIGKILL of its group), restarts it through
+    generate; then the rlctl process is SIGKILLed and the restarted server's whole group must go with it.
+    First in the module, before the session server starts: two servers on 2 cores slow each other down."""
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import json, os, signal, sys, time\n"
+        "from rlctl import RolloutRequest\n"
+        "from rlctl.contracts.types import RolloutContext, SamplingConfig\n"
+        "from rlctl_vllm.backend import VLLMRollout\n"
+        "from rlctl_vllm.options import VLLMOptions\n"
+        f"b = VLLMRollout(RolloutContext(model_dir={str(vllm_model_dir)!r}, tokenizer_hash='x', seed=0),\n"
+        f"    VLLMOptions(launch={{'python': {str(VLLM_PYTHON)!r}, 'engine_args': {ENGINE_ARGS!r},\n"
+        f"                        'log_dir': {str(tmp_path / 'logs')!r}, 'port_range': (18300, 18399)}}))\n"
+        "first = b.engines.pids()[0]\n"
+        "os.killpg(first, signal.SIGKILL)\n"
+        "b.engines.procs[0].wait()\n"
+        "req = RolloutRequest(prompt_id='p', prompt_tokens=(1, 21, 22, 15, 23, 24, 33), group_size=2,\n"
+        "                     sampling=SamplingConfig(max_tokens=4), dataset_version='d')\n"
+        "t = time.monotonic(); out = b.generate([req])\n"
+        "print(json.dumps({'groups': [first, b.engines.pids()[0]], 'restart_s': time.monotonic() - t,\n"
+        "                  'n': len(out)}), flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, "the rlctl process died before its vLLM server was up and restarted"
+    answer = json.loads(line)
+    print(f"\nlaunched server restarted and answered in {answer['restart_s']:.1f}s")
+    first, group = answer["groups"]
+    assert answer["n"] == 2 and first != group and _group_members(group) and not _group_members(first)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _group_members(group) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group_members(group), f"engine processes left behind: {_group_members(group)}"
+
+
 def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_model_dir):
     model, _ = _state(vllm_model_dir)
     worst = 0.0
@@ -184,43 +222,6 @@ def test_train_on_vllm_completes(vllm_backend, vllm_model_dir, _rlctl_home, tmp_
     syncs = [round(m["T_s"], 3) for m in steps]
     print(f"\ntrain on vLLM: logprob_mismatch_max per step {worst}, T_s per step {syncs}")
     assert max(worst) <= 1e-4
-
-
-def test_dead_server_is_restarted_and_sigkilled_rlctl_leaves_no_engine_process(vllm_model_dir, tmp_path):
-    """A throwaway rlctl process launches a server, loses it (SIGKILL of its group), restarts it through
-    generate; then the rlctl process is SIGKILLed and the restarted server's whole group must go with it."""
-    script = tmp_path / "holder.py"
-    script.write_text(
-        "import json, os, signal, sys, time\n"
-        "from rlctl import RolloutRequest\n"
-        "from rlctl.contracts.types import RolloutContext, SamplingConfig\n"
-        "from rlctl_vllm.backend import VLLMRollout\n"
-        "from rlctl_vllm.options import VLLMOptions\n"
-        f"b = VLLMRollout(RolloutContext(model_dir={str(vllm_model_dir)!r}, tokenizer_hash='x', seed=0),\n"
-        f"    VLLMOptions(launch={{'python': {str(VLLM_PYTHON)!r}, 'engine_args': {ENGINE_ARGS!r},\n"
-        f"                        'log_dir': {str(tmp_path / 'logs')!r}, 'port_range': (18300, 18399)}}))\n"
-        "first = b.engines.pids()[0]\n"
-        "os.killpg(first, signal.SIGKILL)\n"
-        "b.engines.procs[0].wait()\n"
-        "req = RolloutRequest(prompt_id='p', prompt_tokens=(1, 21, 22, 15, 23, 24, 33), group_size=2,\n"
-        "                     sampling=SamplingConfig(max_tokens=4), dataset_version='d')\n"
-        "t = time.monotonic(); out = b.generate([req])\n"
-        "print(json.dumps({'groups': [first, b.engines.pids()[0]], 'restart_s': time.monotonic() - t,\n"
-        "                  'n': len(out)}), flush=True)\n"
-        "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line, "the rlctl process died before its vLLM server was up and restarted"
-    answer = json.loads(line)
-    print(f"\nlaunched server restarted and answered in {answer['restart_s']:.1f}s")
-    first, group = answer["groups"]
-    assert answer["n"] == 2 and first != group and _group_members(group) and not _group_members(first)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while _group_members(group) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _group_members(group), f"engine processes left behind: {_group_members(group)}"
 
 
 def _group_members(pgid):
