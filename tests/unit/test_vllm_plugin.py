@@ -109,3 +109,40 @@ def test_launch_refuses_a_head_dim_the_cpu_build_rejects_before_starting(tmp_pat
         launch_argv(LaunchOptions(python=str(python)), str(model))
     (model / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4}))
     assert "--logprobs-mode" in launch_argv(LaunchOptions(python=str(python)), str(model))
+
+
+HOLDER = """
+import json, sys, time
+from rlctl.kit import EngineServers
+s = EngineServers([sys.executable, sys.argv[1], "{port}"], count=1, ports=(18500, 18599), log_dir=sys.argv[2],
+                  startup_timeout_s=30).start()
+print(json.dumps(s.pids()), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_launched_servers_stop_when_their_parent_is_signalled_or_killed(tmp_path, sig):
+    """SIGTERM / Ctrl-C: rlctl's handlers stop the group; SIGKILL: the parent-death signal does."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "srv.py").write_text(SERVER)
+    (tmp_path / "holder.py").write_text(HOLDER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "holder.py"), str(tmp_path / "srv.py"), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    (group,) = json.loads(proc.stdout.readline())
+    os.killpg(group, 0)  # the server's group exists
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group, 0)
