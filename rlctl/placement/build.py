@@ -218,9 +218,14 @@ def build_common(config: RunConfig, plugins: Plugins, cache_root: Path,
 
     from rlctl.models.tokenizer import tokenizer_hash
 
+    from rlctl.config.load import validate_options
+
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)
     estimator = build_estimator(config, plugins)
+    # the rollout backend is built after the starting policy (its context needs it); its options are checked now
+    validate_options(plugins.get("rollout_backend", config.rollout.backend).options, config.rollout.options,
+                     "rollout.options")
     task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)
