@@ -5,8 +5,10 @@ through the configured rollout backend, grade it with the run's correctness
 reward (the ``math`` component, or the first component), and compare two
 policies on the same prompts with a paired bootstrap 95% CI.
 
-What this is not: registry bookkeeping (rlctl.lifecycle.evaluate) or sampling-based
-pass@k.
+``sample_policy`` draws n answers per prompt at a temperature and counts the
+correct ones, for pass@k (rlctl.lifecycle.passk).
+
+What this is not: registry bookkeeping (rlctl.lifecycle.evaluate).
 """
 
 from __future__ import annotations
@@ -64,6 +66,49 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         result = grader.score(traj, rec.answer)
         correct.append(int(result.ok and result.total >= 1.0))
     return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
+
+
+@dataclass(frozen=True, slots=True)
+class SampledScores:
+    """n sampled answers per prompt: correct counts per prompt, and the first sample's response of each."""
+
+    counts: tuple[int, ...]
+    n: int
+    temperature: float
+    responses: tuple[str, ...]
+    grade_seconds: float
+
+
+def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: TaskData,
+                  records: Sequence[PromptRecord], n: int, temperature: float) -> SampledScores:
+    """Sample ``n`` answers per prompt at ``temperature`` (top_p/top_k from rollout) and count correct ones."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from rlctl.models.tokenizer import tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
+                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
+                                               seed=config.run.seed))
+    sampling = SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
+                              max_tokens=config.eval.max_tokens)
+    requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=n,
+                               sampling=sampling, dataset_version=task.version) for r in records]
+    try:
+        trajectories = backend.generate(requests)
+    finally:
+        backend.close()
+    grader = _correctness_grader(config, plugins)
+    started = time.perf_counter()
+    counts = []
+    for i, rec in enumerate(records):
+        group = trajectories[i * n:(i + 1) * n]
+        counts.append(sum(int(r.ok and r.total >= 1.0) for r in (grader.score(t, rec.answer) for t in group)))
+    return SampledScores(counts=tuple(counts), n=n, temperature=temperature,
+                         responses=tuple(trajectories[i * n].response_text for i in range(len(records))),
+                         grade_seconds=time.perf_counter() - started)
 
 
 def _correctness_grader(config: RunConfig, plugins: Plugins):
