@@ -60,7 +60,7 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         trajectories = backend.generate(requests)
     finally:
         backend.close()
-    grader = _correctness_grader(config, plugins)
+    grader = correctness_grader(config, plugins)
     correct = []
     for traj, rec in zip(trajectories, records):
         result = grader.score(traj, rec.answer)
@@ -100,7 +100,7 @@ def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: T
         trajectories = backend.generate(requests)
     finally:
         backend.close()
-    grader = _correctness_grader(config, plugins)
+    grader = correctness_grader(config, plugins)
     started = time.perf_counter()
     answers = [rec.answer for rec in records for _ in range(n)]
     if config.reward.workers > 1:  # a sandboxed grader (code) waits on its jail: grade reward.workers at once
@@ -117,7 +117,7 @@ def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: T
                          grade_seconds=time.perf_counter() - started)
 
 
-def _correctness_grader(config: RunConfig, plugins: Plugins):
+def correctness_grader(config: RunConfig, plugins: Plugins):
     comps = config.reward.components
     chosen = next((c for c in comps if c.name == "math"), comps[0])
     from rlctl.placement.build import reward_options
