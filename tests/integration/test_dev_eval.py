@@ -65,3 +65,19 @@ def test_dev_eval_is_skipped_with_a_warning_outside_sync_mode(tiny_config, plugi
     warnings = []
     dev = DevEval(roles, plugins, _Registry(), "run-1", warnings.append)
     assert not dev.due(1) and "mode: sync only" in warnings[0]
+
+
+def test_the_live_display_keeps_the_latest_dev_score():
+    import io
+
+    from rich.console import Console
+
+    from rlctl.cli._display import TrainDisplay
+
+    out = io.StringIO()
+    display = TrainDisplay(3, Console(file=out, width=200), plain=True)
+    display.step(0, {"reward_mean": 0.5})
+    display.step(1, {"reward_mean": 0.5, "eval_dev_pass_at_1": 0.25})
+    display.step(2, {"reward_mean": 0.625})
+    lines = out.getvalue().splitlines()
+    assert "dev" not in lines[0] and lines[1].count("dev 0.25") == 1 and "dev 0.25" in lines[2]
