@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_cli import rlctl
 
 
+@pytest.mark.slow  # a tiny training run first
 def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home):
     from rlctl.registry.store import Registry
 

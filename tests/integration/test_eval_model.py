@@ -55,6 +55,7 @@ def test_eval_model_dir_table_and_refusals(hf_dir, tmp_path):
     assert bad.returncode != 0 and "neither a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # a tiny training run first
 def test_eval_run_with_k_and_its_checkpoint_dir(tmp_path, _rlctl_home):
     from tests.conftest import TINY_OVERRIDES
 
