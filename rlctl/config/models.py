@@ -374,6 +374,10 @@ class EvalConfig(_Strict):
     max_tokens: int = Field(12, ge=1, description="Greedy decoding budget.")
     bootstrap_samples: int = Field(2000, ge=100, description="Paired bootstrap resamples.")
     at_end: bool = Field(True, description="Evaluate after `rlctl train` finishes.")
+    every_steps: int = Field(0, ge=0, description="Greedy dev pass@1 every N steps during training, recorded as "
+                             "metric eval_dev_pass_at_1 (0 = off; mode: sync only; a failed eval never stops "
+                             "training).")
+    every_num_prompts: int = Field(64, ge=1, description="Dev prompts per periodic eval (the first N of dev).")
 
 
 class RunConfig(_Strict):

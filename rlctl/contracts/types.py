@@ -352,6 +352,26 @@ class EvalRecord:
 
 
 @dataclass(**_FROZEN)
+class ModelEvalRecord:
+    """One evaluation of a model directory without a run (a checkpoint or an exported Hugging Face model).
+
+    ``model_hash`` is a sha256 over the directory's weight files; ``results`` holds pass@k per k with its
+    bootstrap CI (rlctl.lifecycle.passk.summarize without the per-prompt list, which is in ``details``).
+    """
+
+    id: int | None
+    model_hash: str
+    model_dir: str
+    split: str
+    num_prompts: int
+    num_samples: int
+    temperature: float
+    results: Mapping[str, Any]
+    created_at: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(**_FROZEN)
 class AblationRecord:
     """An ablation: ``spec`` holds the base config, axes, seeds, baseline cell and token budget."""
 

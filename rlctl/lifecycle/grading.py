@@ -5,8 +5,10 @@ through the configured rollout backend, grade it with the run's correctness
 reward (the ``math`` component, or the first component), and compare two
 policies on the same prompts with a paired bootstrap 95% CI.
 
-What this is not: registry bookkeeping (rlctl.lifecycle.evaluate) or sampling-based
-pass@k.
+``sample_policy`` draws n answers per prompt at a temperature and counts the
+correct ones, for pass@k (rlctl.lifecycle.passk).
+
+What this is not: registry bookkeeping (rlctl.lifecycle.evaluate).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         trajectories = backend.generate(requests)
     finally:
         backend.close()
-    grader = _correctness_grader(config, plugins)
+    grader = correctness_grader(config, plugins)
     correct = []
     for traj, rec in zip(trajectories, records):
         result = grader.score(traj, rec.answer)
@@ -66,7 +68,56 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
     return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
 
 
-def _correctness_grader(config: RunConfig, plugins: Plugins):
+@dataclass(frozen=True, slots=True)
+class SampledScores:
+    """n sampled answers per prompt: correct counts per prompt, and the first sample's response of each."""
+
+    counts: tuple[int, ...]
+    n: int
+    temperature: float
+    responses: tuple[str, ...]
+    grade_seconds: float
+
+
+def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: TaskData,
+                  records: Sequence[PromptRecord], n: int, temperature: float) -> SampledScores:
+    """Sample ``n`` answers per prompt at ``temperature`` (top_p/top_k from rollout) and count correct ones."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from rlctl.models.tokenizer import tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
+                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
+                                               seed=config.run.seed))
+    sampling = SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
+                              max_tokens=config.eval.max_tokens)
+    requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=n,
+                               sampling=sampling, dataset_version=task.version) for r in records]
+    try:
+        trajectories = backend.generate(requests)
+    finally:
+        backend.close()
+    grader = correctness_grader(config, plugins)
+    started = time.perf_counter()
+    answers = [rec.answer for rec in records for _ in range(n)]
+    if config.reward.workers > 1:  # a sandboxed grader (code) waits on its jail: grade reward.workers at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(config.reward.workers) as pool:
+            results = list(pool.map(grader.score, trajectories, answers))
+    else:
+        results = [grader.score(t, a) for t, a in zip(trajectories, answers)]
+    correct = [int(r.ok and r.total >= 1.0) for r in results]
+    counts = [sum(correct[i * n:(i + 1) * n]) for i in range(len(records))]
+    return SampledScores(counts=tuple(counts), n=n, temperature=temperature,
+                         responses=tuple(trajectories[i * n].response_text for i in range(len(records))),
+                         grade_seconds=time.perf_counter() - started)
+
+
+def correctness_grader(config: RunConfig, plugins: Plugins):
     comps = config.reward.components
     chosen = next((c for c in comps if c.name == "math"), comps[0])
     from rlctl.placement.build import reward_options

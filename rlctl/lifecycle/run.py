@@ -94,6 +94,7 @@ class Run:
         self._lock, self._new = lock, new
         self._placement: "Placement | None" = None
         self._guard: Any = None  # rlctl.incidents.recovery.RunGuard while the loop runs
+        self._dev_eval: Any = None  # rlctl.lifecycle.periodic_eval.DevEval while the loop runs
         self._sinks: list[Any] = []
         self._checkpointer: Any = None
 
@@ -258,6 +259,9 @@ class Run:
 
             self._sinks.append(MetricsEndpoint(config.train.metrics_port, run_id=run_id, run_dir=self.dir.root))
         checkpointer = self._checkpointer = self._make_checkpointer(roles)
+        from rlctl.lifecycle.periodic_eval import DevEval
+
+        self._dev_eval = DevEval(roles, self.plugins, self.registry, run_id, self.warn)
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
         # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)
         guard = self._guard = RunGuard(roles, run_id, self.dir.root, self.registry, self.plugins, self.warn,
@@ -306,6 +310,12 @@ class Run:
 
     def _on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         self.plugins.pm.hook.on_step_end(run_id=self.record.id, step=step, metrics=metrics)
+        if self._dev_eval is not None and self._dev_eval.due(step):
+            beat = self._guard.heartbeat if self._guard is not None else None
+            with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
+                dev = self._dev_eval(step)
+            if dev is not None:
+                metrics = {**metrics, **dev}
         if self.cb.step:
             self.cb.step(step, metrics)
         if self._guard is not None:
