@@ -52,6 +52,7 @@ from rlctl.contracts.checkpoints import LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
+from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths
 from rlctl.kit.prefill import prefix_shared_logprobs
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
@@ -95,6 +96,7 @@ class TorchLearner:
         self.policy_version = 0
         self.nan_skips = 0
         self.micro_batch_size = self.algo.micro_batch_size  # halved for the rest of the run after an OOM
+        self.micro_batch_tokens = ctx.micro_batch_tokens  # None: padded micro-batches; else packed (rlctl.kit.packing)
         self.oom_recoveries = 0
 
     def _build_optimizer(self) -> None:
@@ -122,9 +124,11 @@ class TorchLearner:
         return logp, entropy
 
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
-        """Per-token log-probs (and entropy); prompts shared by several rows are prefilled once."""
+        """Per-token log-probs (and entropy); packed, or with prompts shared by several rows prefilled once."""
         batch = batch.to(self.device)
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
+            if self.micro_batch_tokens is not None:
+                return packed_logprobs(model, batch, with_entropy)
             if self.options.share_prompt_prefill:
                 shared = prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:
@@ -132,7 +136,12 @@ class TorchLearner:
             return self._logprobs(model, batch, with_entropy)
 
     def _micro_batches(self, batch: TrainBatch):
+        """Consecutive slices of ``batch``: ``micro_batch_size`` rows, or packed under ``micro_batch_tokens``."""
         size = self.micro_batch_size
+        if self.micro_batch_tokens is not None:
+            for rows in pack_rows(sequence_lengths(batch), self.micro_batch_tokens, size):
+                yield batch.select(rows)
+            return
         for start in range(0, batch.num_sequences, size):
             yield batch.select(range(start, min(start + size, batch.num_sequences)))
 
