@@ -148,3 +148,39 @@ def test_a_budget_that_cannot_hold_one_response_is_a_config_error():
     with pytest.raises(ConfigError, match="micro_batch_tokens=12 cannot hold"):
         load_config(None, ["rollout.max_tokens=12", "train.micro_batch_tokens=12"])
     assert load_config(None, ["train.micro_batch_tokens=512"]).train.micro_batch_tokens == 512
+
+
+def _deterministic_run(plugins, home, extra: list[str]):
+    from rlctl.config.load import load_config
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
+    from tests.conftest import TINY_OVERRIDES
+    from tests.helpers import build_roles
+    from tests.integration.test_estimators_loop import ListSink
+
+    cfg = load_config(None, [*TINY_OVERRIDES, "train.deterministic=true", "train.steps=3", "train.optim.lr=1e-3",
+                             "algo.micro_batch_size=8", *extra])
+    session = build_roles(cfg, plugins, home / "cache")
+    try:
+        sink = ListSink()
+        run_sync(session, LoopSpec.from_config(session.config), [sink])
+        weights = {k: v.detach().clone() for k, v in session.learner.model.state_dict().items()}
+        return sink.rows, weights, session
+    finally:
+        session.rollout.close()
+
+
+def test_a_deterministic_packed_ppo_run_with_a_critic_repeats_bit_for_bit(plugins, _rlctl_home):
+    extra = ["train.micro_batch_tokens=40", "algo.name=ppo", "algo.critic.warmup_steps=1", "algo.kl.coef=0.05"]
+    rows1, w1, s1 = _deterministic_run(plugins, _rlctl_home, extra)
+    rows2, w2, _ = _deterministic_run(plugins, _rlctl_home, extra)
+    assert s1.critic is not None and s1.learner.micro_batch_tokens == 40
+    last = rows1[max(rows1)]
+    assert last["policy_version"] == 2.0 and "value_loss" in last and "kl_ref" in last
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    timing = ("time", "wall", "elapsed", "per_s", "_s", "throughput", "tokens_s")
+    assert rows1.keys() == rows2.keys()
+    for step in rows1:
+        a, b = rows1[step], rows2[step]
+        same = sorted(k for k in a if not k.startswith("T_") and not any(t in k for t in timing))
+        assert all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in same), step  # NaN equals NaN
