@@ -4,12 +4,15 @@ What this is: ``pack_rows`` (which rows of a batch share a micro-batch when
 ``train.micro_batch_tokens`` is set) and ``packed_logprobs`` (the forward of
 one such micro-batch). A packed micro-batch is one row of ``S`` tokens: the
 real tokens (prompt + response) of each sequence, one after another, with
-position ids restarting at 0 for every sequence and no attention mask:
-transformers then reads the sequence boundaries from the position ids and
-builds the block-diagonal causal mask itself (``find_packed_sequence_indices``,
-for the sdpa, eager and flash attention implementations), so no token
-attends across a sequence boundary. On CPU (transformers 5.24, Llama and
-Qwen2, sdpa and eager) the packed logits equal the padded ones bit for bit. The
+position ids restarting at 0 for every sequence, so no token attends across
+a sequence boundary. Attention: a model on sdpa or eager attention is
+switched (``segment_attention``) to an implementation that runs causal sdpa
+on each sequence's slice of the packed row, so attention costs the sum of
+L_i^2 and no mask is built; any other implementation (flash attention) gets
+the sequence boundaries as ``cu_seq_lens`` and from the position ids, which
+transformers reads as packed sequences (``find_packed_sequence_indices``:
+the block-diagonal causal mask). On CPU (transformers 5.24, Llama and Qwen2,
+sdpa and eager) both give the padded path's logits (bit for bit in float64). The
 per-token log-probs (and entropy) are put back in the padded ``[n, T]``
 layout of the micro-batch, so the loss, its normalisation and every metric
 are computed by exactly the same code as the padded path; only the forward
@@ -18,9 +21,8 @@ longest sequence).
 
 What this is not: prompt-prefill sharing (rlctl.kit.prefill; a packed
 micro-batch forwards each sequence's prompt itself) or a varlen attention
-kernel: with sdpa and eager the mask is a dense ``[S, S]`` boolean, so the
-attention costs ``S^2`` per layer, which is one reason the budget is per
-micro-batch.
+kernel: the per-sequence loop is Python, one sdpa call per sequence and
+layer.
 """
 
 from __future__ import annotations
@@ -31,6 +33,40 @@ import torch
 
 from rlctl.algo import entropy_from_logits, process_logits, token_logprobs
 from rlctl.contracts.batch import TrainBatch
+
+SEGMENTS = "rlctl_segments"  # the attention implementation's registered name
+
+
+def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, **kwargs: Any):
+    """sdpa attention over packed sequences: causal sdpa on each ``[cu[i], cu[i+1])`` slice of the row.
+
+    Without ``cu_seq_lens_q`` in ``kwargs`` it is plain sdpa with the mask it is given.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for key_name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(key_name, None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    bounds = cu.tolist()
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                   is_causal=True, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=1), None  # [1, S, heads, head_dim], as sdpa_attention_forward returns
+
+
+def use_segment_attention(model: Any) -> None:
+    """Switch a model on sdpa or eager attention to ``segment_attention`` (others keep theirs)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model is None or model.config._attn_implementation not in ("sdpa", "eager"):
+        return
+    AttentionInterface.register(SEGMENTS, segment_attention)
+    AttentionMaskInterface.register(SEGMENTS, sdpa_mask)  # a forward without cu_seq_lens stays plain sdpa
+    model.set_attn_implementation(SEGMENTS)
 
 
 def pack_rows(lengths: list[int], budget: int, max_rows: int) -> list[range]:
@@ -74,8 +110,12 @@ def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     """
     ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
     flat_ids, positions, index = packed_inputs(mask, ids)
-    # no attention mask and no cache: transformers splits the row into sequences where the position ids restart
-    logits = model(input_ids=flat_ids, position_ids=positions, use_cache=False).logits[0, :-1]  # [S-1, V]
+    lengths = mask.sum(-1)
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)  # [n + 1] sequence bounds
+    top = int(lengths.max())
+    # no attention mask and no cache: the sequences are told apart by cu_seq_lens and the position ids
+    logits = model(input_ids=flat_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=top, max_length_k=top).logits[0, :-1]  # [S-1, V]
     s = batch.sampling
     flat = torch.nn.functional.pad(token_logprobs(logits[None], flat_ids[:, 1:], s.temperature, s.top_k,
                                                   s.top_p)[0], (1, 0))  # [S]: flat token j predicted at j-1

@@ -52,7 +52,7 @@ from rlctl.contracts.checkpoints import LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
-from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths
+from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths, use_segment_attention
 from rlctl.kit.prefill import prefix_shared_logprobs
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
@@ -97,6 +97,9 @@ class TorchLearner:
         self.nan_skips = 0
         self.micro_batch_size = self.algo.micro_batch_size  # halved for the rest of the run after an OOM
         self.micro_batch_tokens = ctx.micro_batch_tokens  # None: padded micro-batches; else packed (rlctl.kit.packing)
+        if self.micro_batch_tokens is not None:
+            use_segment_attention(self.model)
+            use_segment_attention(self.reference)
         self.oom_recoveries = 0
 
     def _build_optimizer(self) -> None:

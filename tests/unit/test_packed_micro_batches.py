@@ -184,3 +184,41 @@ def test_a_deterministic_packed_ppo_run_with_a_critic_repeats_bit_for_bit(plugin
         a, b = rows1[step], rows2[step]
         same = sorted(k for k in a if not k.startswith("T_") and not any(t in k for t in timing))
         assert all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in same), step  # NaN equals NaN
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_forward_equals_padded_for_llama_and_qwen2(arch, attention):
+    """Both packed attentions (per-sequence sdpa, and transformers' own packed-sequence mask from the position
+    ids) give the padded forward's log-probs, in float64 to 1e-12."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from rlctl.contracts.batch import TrainBatch
+    from rlctl.contracts.types import SamplingConfig
+    from rlctl.kit.packing import packed_logprobs, use_segment_attention
+
+    kw = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attention)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw)))
+    model = model.double().eval()
+    lengths = [5, 17, 1, 30, 9]
+    ids = torch.randint(1, 40, (5, 32))
+    mask = (torch.arange(32)[None] < torch.tensor(lengths)[:, None]).long()
+    zeros = torch.zeros((5, 32))
+    batch = TrainBatch(input_ids=ids * mask, attention_mask=mask, action_mask=mask.float(), behavior_logprobs=zeros,
+                       advantages=zeros, sampling=SamplingConfig(temperature=0.7, max_tokens=30), trajectory_ids=("a",) * 5,
+                       policy_versions=(0,) * 5)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=pos).logits[:, :-1]
+        want = torch.nn.functional.pad(torch.log_softmax(logits.double() / 0.7, -1).gather(
+            -1, batch.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
+        real = (mask > 0) & (torch.arange(32)[None] > 0)
+        native = packed_logprobs(model, batch, with_entropy=False)[0]
+        use_segment_attention(model)
+        assert model.config._attn_implementation == "rlctl_segments"
+        segments = packed_logprobs(model, batch, with_entropy=False)[0]
+    for got in (native, segments):
+        torch.testing.assert_close(got[real].double(), want[real], rtol=1e-6, atol=1e-6)
+        assert float(got[~real].abs().max()) == 0.0
