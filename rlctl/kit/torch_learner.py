@@ -296,6 +296,8 @@ class TorchLearner:
                             "the step cannot shrink further; see `rlctl runbook show oom` (shard the model, "
                             "lower rollout.max_tokens, or enable gradient checkpointing)") from err
         self.micro_batch_size = max(1, old // 2)
+        if self.micro_batch_tokens is not None:  # packed: the token budget is what bounds the activations
+            self.micro_batch_tokens = max(1, self.micro_batch_tokens // 2)
         self.oom_recoveries += 1
         report_recovery("oom_recovered", f"OOM in the learner classified as {kind}; micro-batch {old} -> "
                         f"{self.micro_batch_size}, step retried with the same effective batch",
@@ -390,8 +392,11 @@ class TorchLearner:
         )
 
     def _counters(self) -> dict[str, int]:
-        return {"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
-                "oom_recoveries": self.oom_recoveries}
+        out = {"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
+               "oom_recoveries": self.oom_recoveries}
+        if self.micro_batch_tokens is not None:
+            out["micro_batch_tokens"] = self.micro_batch_tokens
+        return out
 
     def _restore_progress(self, state: LearnerState) -> None:
         """Everything but weights and optimizer: LR schedule, mini-batch RNG, version, counters."""
@@ -401,6 +406,8 @@ class TorchLearner:
         self.nan_skips = int(state.counters.get("nan_skips", 0))
         self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
         self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
+        if self.micro_batch_tokens is not None:
+            self.micro_batch_tokens = int(state.counters.get("micro_batch_tokens", self.micro_batch_tokens))
 
     def load_checkpoint_state(self, state: LearnerState) -> None:
         current = _unaliased(self.model.state_dict())

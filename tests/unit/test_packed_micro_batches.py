@@ -222,3 +222,22 @@ def test_packed_forward_equals_padded_for_llama_and_qwen2(arch, attention):
     for got in (native, segments):
         torch.testing.assert_close(got[real].double(), want[real], rtol=1e-6, atol=1e-6)
         assert float(got[~real].abs().max()) == 0.0
+
+
+def test_an_out_of_memory_halves_the_token_budget_and_the_step_is_the_same(session, plugins, batch):
+    packed = make(session, plugins, tokens=45)
+    forward, calls = packed._forward, []
+
+    def once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected")
+        return forward(*args, **kw)
+
+    packed._forward = once
+    s1, b1, g1 = step(packed, batch)
+    s2, b2, g2 = step(make(session, plugins, size=5), batch)
+    assert packed.micro_batch_tokens == 22 and packed.micro_batch_size == 8 and s1["oom_recoveries"] == 1.0
+    assert packed._counters()["micro_batch_tokens"] == 22
+    for name in g1:
+        close(g1[name], g2[name], name)
