@@ -46,15 +46,36 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
+    groups = kwargs.pop("rlctl_prompt_groups", None)
     for key_name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(key_name, None)
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
+    if groups is not None:
+        return _group_attention(module, query, key, value, groups, sdpa_attention_forward, kwargs), None
     bounds = cu.tolist()
     outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
                                    is_causal=True, **kwargs)[0] for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=1), None  # [1, S, heads, head_dim], as sdpa_attention_forward returns
+
+
+def _group_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     groups: list[tuple[int, int, list[tuple[int, int]]]], sdpa: Any, kwargs: dict) -> torch.Tensor:
+    """Attention of a packed row laid out as prompt, then its responses (``shared_layout``): the prompt is
+    causal on itself, each response attends to the whole prompt and causally to itself, in flat order."""
+    outs = []
+    for a, p, responses in groups:
+        outs.append(sdpa(module, query[:, :, a:a + p], key[:, :, a:a + p], value[:, :, a:a + p], None,
+                         is_causal=True, **kwargs)[0])
+        for b, e in responses:
+            width = e - b
+            seen = torch.ones((width, p + width), dtype=torch.bool, device=query.device)
+            seen[:, p:] = torch.ones((width, width), dtype=torch.bool, device=query.device).tril()
+            k = torch.cat([key[:, :, a:a + p], key[:, :, b:e]], dim=2)
+            v = torch.cat([value[:, :, a:a + p], value[:, :, b:e]], dim=2)
+            outs.append(sdpa(module, query[:, :, b:e], k, v, seen[None, None], is_causal=False, **kwargs)[0])
+    return torch.cat(outs, dim=1)
 
 
 def use_segment_attention(model: Any) -> None:
@@ -102,12 +123,18 @@ def packed_inputs(mask: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return flat_ids, positions, index
 
 
-def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
+def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool, share_prompts: bool = False):
     """``TorchLearner._logprobs`` of a micro-batch forwarded packed: the same ``[n, T]`` tensors, 0 on padding.
 
     Token t of a row is predicted at flat position t - 1 of the same row; the
     first token of every row has no prediction (0, as in the padded path).
+    With ``share_prompts`` on a model switched to ``segment_attention``, rows
+    that share a prompt share its forward (``shared_packed_logprobs``).
     """
+    if share_prompts and model.config._attn_implementation == SEGMENTS:
+        layout = shared_layout(batch)
+        if layout is not None:
+            return shared_packed_logprobs(model, batch, with_entropy, layout)
     ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
     flat_ids, positions, index = packed_inputs(mask, ids)
     lengths = mask.sum(-1)
@@ -135,3 +162,78 @@ def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
 def sequence_lengths(batch: TrainBatch) -> list[int]:
     """Real tokens (prompt + response) of each row."""
     return [int(n) for n in batch.attention_mask.sum(-1).tolist()]
+
+
+def shared_layout(batch: TrainBatch) -> tuple[list[int], list[int], list, torch.Tensor, torch.Tensor] | None:
+    """The packed row with each distinct prompt once, followed by its responses: flat ids, position ids, the
+    attention groups ``(prompt start, prompt length, [(response start, end), ...])``, the flat index [n, T] of
+    each (row, position) (-1 on padding) and each row's prompt length [n]. None when no prompt is shared or
+    a row has no response (then the plain packed layout is used)."""
+    ids, mask, act = batch.input_ids, batch.attention_mask, batch.action_mask  # [n, T]
+    n, width = ids.shape
+    if bool((act.sum(-1) == 0).any()):
+        return None
+    starts = (act > 0).to(torch.int8).argmax(-1).tolist()  # prompt length = first trained position
+    ends = mask.sum(-1).tolist()
+    rows = ids.tolist()
+    members: dict[tuple[int, ...], list[int]] = {}
+    for i in range(n):
+        members.setdefault(tuple(rows[i][:starts[i]]), []).append(i)
+    if len(members) == n:
+        return None
+    flat_ids: list[int] = []
+    positions: list[int] = []
+    groups = []
+    index = torch.full((n, width), -1, dtype=torch.long)
+    for prompt, group in members.items():
+        a, p = len(flat_ids), len(prompt)
+        flat_ids += prompt
+        positions += range(p)
+        spans = []
+        for i in group:
+            b = len(flat_ids)
+            flat_ids += rows[i][p:ends[i]]
+            positions += range(p, ends[i])
+            spans.append((b, len(flat_ids)))
+            index[i, :p] = torch.arange(a, a + p)
+            index[i, p:ends[i]] = torch.arange(b, len(flat_ids))
+        groups.append((a, p, spans))
+    return flat_ids, positions, groups, index, torch.tensor(starts)
+
+
+def shared_packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool, layout: tuple):
+    """``packed_logprobs`` over ``shared_layout``: each distinct prompt forwarded once in the packed row.
+
+    Token t of a row is predicted at the flat position of its token t - 1; the
+    first response token of every row is predicted at its prompt's last
+    position, which the G responses share (its gradient gets all G terms).
+    """
+    flat_list, pos_list, groups, index, starts = layout
+    device = batch.input_ids.device
+    index, starts = index.to(device), starts.to(device)
+    flat_ids = torch.tensor(flat_list, dtype=torch.long, device=device)[None]  # [1, S]
+    positions = torch.tensor(pos_list, dtype=torch.long, device=device)[None]
+    cu = torch.tensor([0, len(flat_list)], dtype=torch.int32, device=device)
+    logits = model(input_ids=flat_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, rlctl_prompt_groups=groups).logits[0]  # [S, V]
+    s = batch.sampling
+    rows = torch.arange(index.shape[0], device=device)
+    last = index[rows, starts - 1]  # [n] flat position of each row's last prompt token
+    first_ids = batch.input_ids[rows, starts]  # [n] each row's first response token
+    flat = torch.nn.functional.pad(token_logprobs(logits[None, :-1], flat_ids[:, 1:], s.temperature, s.top_k,
+                                                  s.top_p)[0], (1, 0))  # [S]: flat token j predicted at j-1
+    first = token_logprobs(logits[last][None], first_ids[None], s.temperature, s.top_k, s.top_p)[0]  # [n]
+    steps = torch.arange(index.shape[1], device=device)[None]
+    valid = (index >= 0) & (steps > 0)
+    at_first = steps == starts[:, None]
+    at = index.clamp(min=0)
+    zero = torch.zeros((), dtype=flat.dtype, device=device)
+    logp = torch.where(valid, torch.where(at_first, first[:, None], flat[at]), zero)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            shaped = logits if s.greedy else process_logits(logits.detach(), s.temperature, s.top_k, s.top_p)
+            ent = entropy_from_logits(shaped)  # [S]: of the next token at each flat position
+            ent_flat = torch.nn.functional.pad(ent[:-1], (1, 0))
+            entropy = torch.where(valid, torch.where(at_first, ent[last][:, None], ent_flat[at]), zero)
+    return logp, entropy

@@ -131,7 +131,7 @@ class TorchLearner:
         batch = batch.to(self.device)
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.micro_batch_tokens is not None:
-                return packed_logprobs(model, batch, with_entropy)
+                return packed_logprobs(model, batch, with_entropy, self.options.share_prompt_prefill)
             if self.options.share_prompt_prefill:
                 shared = prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:

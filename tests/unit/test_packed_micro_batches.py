@@ -48,7 +48,7 @@ def batch(session):
 
 
 def make(session, plugins, name: str = "grpo", tokens: int | None = None, size: int = 16, kl: str | None = None,
-         fp64: bool = True, **algo):
+         fp64: bool = True, share: bool = False, **algo):
     from rlctl.kit import TorchLearner, TorchLearnerOptions
     from rlctl.placement.build import build_estimator, policy_loss
 
@@ -61,7 +61,7 @@ def make(session, plugins, name: str = "grpo", tokens: int | None = None, size: 
                          optim=cfg.train.optim.model_copy(update={"lr": 1e-3, "grad_clip": 1e6}), seed=0,
                          max_response_tokens=cfg.rollout.max_tokens, deterministic=True, policy_loss=loss,
                          micro_batch_tokens=tokens)
-    lrn = TorchLearner(ctx, TorchLearnerOptions(share_prompt_prefill=False))
+    lrn = TorchLearner(ctx, TorchLearnerOptions(share_prompt_prefill=share))
     if fp64:  # in place: the optimizer keeps the same parameter objects
         for model in (lrn.model, lrn.reference):
             if model is not None:
@@ -94,17 +94,31 @@ def compare(packed, padded, batch, metrics: tuple[str, ...]) -> None:
             close(torch.tensor(s1[key]), torch.tensor(s2[key]), key, floor=RTOL)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "packed-shared-prompts"])
 @pytest.mark.parametrize("kl", [None, "loss", "reward"])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_one_packed_micro_batch_equals_the_padded_one(session, plugins, batch, name, kl):
-    compare(make(session, plugins, name, tokens=10_000, kl=kl), make(session, plugins, name, kl=kl), batch, METRICS)
+def test_one_packed_micro_batch_equals_the_padded_one(session, plugins, batch, name, kl, share):
+    packed = make(session, plugins, name, tokens=10_000, kl=kl, share=share)
+    compare(packed, make(session, plugins, name, kl=kl), batch, METRICS)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "packed-shared-prompts"])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_several_packed_micro_batches_give_the_same_gradients_and_log_probs(session, plugins, batch, name):
-    packed = make(session, plugins, name, tokens=45, kl="loss")
+def test_several_packed_micro_batches_give_the_same_gradients_and_log_probs(session, plugins, batch, name, share):
+    packed = make(session, plugins, name, tokens=45, kl="loss", share=share)
     assert len(list(packed._micro_batches(batch))) > 3
     compare(packed, make(session, plugins, name, size=5, kl="loss"), batch, ("grad_norm",))
+
+
+def test_shared_prompts_are_forwarded_once_in_the_packed_row(session, plugins, batch):
+    from rlctl.kit.packing import shared_layout
+
+    layout = shared_layout(batch.select(range(8)))  # 2 prompts x 4 responses
+    assert layout is not None
+    flat, _, groups, index, _ = layout
+    assert len(groups) == 2 and [len(g[2]) for g in groups] == [4, 4]
+    assert len(flat) == int(batch.select(range(8)).attention_mask.sum()) - 3 * (groups[0][1] + groups[1][1])
+    assert shared_layout(batch.select([0, 4, 8, 12])) is None  # nothing shared: the plain packed row
 
 
 def test_log_probs_reference_and_truncated_importance_sampling_match(session, plugins, batch):
