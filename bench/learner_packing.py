@@ -19,10 +19,13 @@ from the same weights, interleaved over ``--repeats`` repeats after one warm-up:
   prefilled once and its KV cache shared by its G responses (``share_prompt_prefill``), responses padded to
   the longest in the micro-batch;
 - ``padded, no prefill sharing``: every row padded to the batch's longest sequence;
-- ``packed``: ``micro_batch_tokens=--budget``, whole sequences end to end, no padding.
+- ``packed``: ``micro_batch_tokens=--budget``, whole sequences end to end, no padding, each distinct prompt
+  forwarded once and attended to by its G responses (``share_prompt_prefill``, the default);
+- ``packed, no prefill sharing``: every sequence forwards its own prompt.
 
-Columns: median seconds per step, the packed/padded speed ratio (> 1 = packed faster) against each padded
-variant, taken in the same run, and the share of real tokens in the padded batch. ``torch.set_num_threads(1)``.
+Columns: median seconds per step, the packed/padded speed ratios (> 1 = packed faster) taken in the same run:
+default packed vs default padded, and the two without prefill sharing against each other; the share of real
+tokens in the padded batch; the number of packed micro-batches. ``torch.set_num_threads(1)``.
 """
 
 from __future__ import annotations
@@ -127,7 +130,9 @@ def learners(directory: Path, n: int, budget: int) -> dict[str, Any]:
                          seed=0, max_response_tokens=256, device="cpu")
     return {"padded": TorchLearner(ctx, TorchLearnerOptions()),
             "padded, no prefill sharing": TorchLearner(ctx, TorchLearnerOptions(share_prompt_prefill=False)),
-            "packed": TorchLearner(replace(ctx, micro_batch_tokens=budget), TorchLearnerOptions())}
+            "packed": TorchLearner(replace(ctx, micro_batch_tokens=budget), TorchLearnerOptions()),
+            "packed, no prefill sharing": TorchLearner(replace(ctx, micro_batch_tokens=budget),
+                                                       TorchLearnerOptions(share_prompt_prefill=False))}
 
 
 def time_steps(steps: dict[str, Any], batch: Any, repeats: int) -> dict[str, float]:
@@ -159,13 +164,14 @@ def run_case(shape: str, directory: Path, workload: str, args: argparse.Namespac
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nlearner step, padded vs packed (micro_batch_tokens={args.budget}), {args.prompts} prompts x "
           f"{args.group}, median of {args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}")
-    head = (f"{'shape':<6}{'workload':<11}{'resp mean/max':>14}{'real':>6}{'packed mb':>10}{'padded s':>10}"
-            f"{'no-share s':>11}{'packed s':>10}{'vs padded':>10}{'vs no-share':>12}")
-    print(head)
+    print(f"{'shape':<6}{'workload':<11}{'resp mean/max':>14}{'real':>6}{'mb':>4}{'padded s':>10}{'packed s':>10}"
+          f"{'packed/padded':>14}{'no-share: padded s':>20}{'packed s':>10}{'ratio':>7}")
     for r in rows:
+        pad, pack = r["padded"], r["packed"]
+        pad_ns, pack_ns = r["padded, no prefill sharing"], r["packed, no prefill sharing"]
         print(f"{r['shape']:<6}{r['workload']:<11}{r['resp_mean']:>8.1f}/{r['resp_max']:<5}{r['real']:>6.0%}"
-              f"{r['micro']:>10}{r['padded']:>10.3f}{r['padded, no prefill sharing']:>11.3f}{r['packed']:>10.3f}"
-              f"{r['padded'] / r['packed']:>9.2f}x{r['padded, no prefill sharing'] / r['packed']:>11.2f}x")
+              f"{r['micro']:>4}{pad:>10.3f}{pack:>10.3f}{pad / pack:>13.2f}x{pad_ns:>20.3f}{pack_ns:>10.3f}"
+              f"{pad_ns / pack_ns:>6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

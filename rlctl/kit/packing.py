@@ -61,20 +61,18 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 
 
 def _group_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     groups: list[tuple[int, int, list[tuple[int, int]]]], sdpa: Any, kwargs: dict) -> torch.Tensor:
+                     groups: list[tuple[int, int, list[tuple[int, int, torch.Tensor]]]], sdpa: Any,
+                     kwargs: dict) -> torch.Tensor:
     """Attention of a packed row laid out as prompt, then its responses (``shared_layout``): the prompt is
     causal on itself, each response attends to the whole prompt and causally to itself, in flat order."""
     outs = []
     for a, p, responses in groups:
         outs.append(sdpa(module, query[:, :, a:a + p], key[:, :, a:a + p], value[:, :, a:a + p], None,
                          is_causal=True, **kwargs)[0])
-        for b, e in responses:
-            width = e - b
-            seen = torch.ones((width, p + width), dtype=torch.bool, device=query.device)
-            seen[:, p:] = torch.ones((width, width), dtype=torch.bool, device=query.device).tril()
+        for b, e, seen in responses:  # seen: [1, 1, e - b, p + e - b], the whole prompt and causal on itself
             k = torch.cat([key[:, :, a:a + p], key[:, :, b:e]], dim=2)
             v = torch.cat([value[:, :, a:a + p], value[:, :, b:e]], dim=2)
-            outs.append(sdpa(module, query[:, :, b:e], k, v, seen[None, None], is_causal=False, **kwargs)[0])
+            outs.append(sdpa(module, query[:, :, b:e], k, v, seen, is_causal=False, **kwargs)[0])
     return torch.cat(outs, dim=1)
 
 
@@ -214,6 +212,14 @@ def shared_packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool, la
     flat_ids = torch.tensor(flat_list, dtype=torch.long, device=device)[None]  # [1, S]
     positions = torch.tensor(pos_list, dtype=torch.long, device=device)[None]
     cu = torch.tensor([0, len(flat_list)], dtype=torch.int32, device=device)
+    masks: dict[tuple[int, int], torch.Tensor] = {}  # built once per shape, not once per layer
+    for _, p, spans in groups:
+        for b, e in spans:
+            if (p, e - b) not in masks:
+                seen = torch.ones((e - b, p + e - b), dtype=torch.bool, device=device)
+                seen[:, p:] = seen[:, p:].tril()
+                masks[(p, e - b)] = seen[None, None]
+    groups = [(a, p, [(b, e, masks[(p, e - b)]) for b, e in spans]) for a, p, spans in groups]
     logits = model(input_ids=flat_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
                    cu_seq_lens_k=cu, rlctl_prompt_groups=groups).logits[0]  # [S, V]
     s = batch.sampling
