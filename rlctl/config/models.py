@@ -219,6 +219,12 @@ class TrainConfig(_Strict):
     )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Packed learner micro-batches: whole sequences (prompt + response) laid end to end, "
+        "at most this many tokens (and at most algo.micro_batch_size sequences) per forward/backward, with no "
+        "attention across sequences and no padding; a sequence longer than the budget gets a micro-batch of its "
+        "own. Same loss, gradients and log-probs as the padded path. null = padded micro-batches of "
+        "algo.micro_batch_size sequences.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="Where the learner's model, "
                         "optimizer state and batches live: auto (the first GPU when CUDA is usable, else CPU), cpu, "
                         "cuda or cuda:N. Asking for cuda where there is none is an error.")
@@ -406,4 +412,14 @@ class RunConfig(_Strict):
             raise ValueError("staleness.partial_fraction < 1 needs mode one_step_off or async: in mode=sync a "
                              "group carried over to the next step is always one version stale and would be dropped; "
                              "set mode=one_step_off (or async), or staleness.partial_fraction=1")
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_fits_a_response(self) -> "RunConfig":
+        budget = self.train.micro_batch_tokens
+        if budget is not None and budget <= self.rollout.max_tokens:
+            raise ValueError(f"train.micro_batch_tokens={budget} cannot hold one full-length sequence (a prompt "
+                             f"plus rollout.max_tokens={self.rollout.max_tokens} response tokens), so most "
+                             f"micro-batches would hold one sequence; set it well above rollout.max_tokens (e.g. "
+                             f"{8 * (self.rollout.max_tokens + 32)}), or null for padded micro-batches")
         return self

@@ -445,6 +445,9 @@ class LearnerContext:
     # ``(make_rank, label, ctx, options) -> ranks``; None = processes on this node (rlctl.placement.ray_ranks
     # gives Ray actors under cluster.backend=ray). Learners that are one process ignore it.
     rank_launcher: Any = None
+    # train.micro_batch_tokens: pack whole sequences into micro-batches of at most this many tokens (rlctl.kit.packing);
+    # None = padded micro-batches of algo.micro_batch_size sequences
+    micro_batch_tokens: int | None = None
 
 
 @dataclass(**_FROZEN)
