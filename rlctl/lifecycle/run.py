@@ -377,8 +377,10 @@ class Run:
                 resumed_from: str | None) -> TrainResult:
         run_id = self.record.id
         wall = time.perf_counter() - self.started
-        self.event("finished", f"{config.train.steps - start_step} steps in {wall:.1f}s",
-                   {"wall_s": wall, "first_step": start_step})
+        end = self._stopped.stop.step + 1 if self._stopped is not None else config.train.steps
+        self.event("finished", f"{end - start_step} steps in {wall:.1f}s"
+                   + (" (stopped by a stop rule)" if self._stopped is not None else ""),
+                   {"wall_s": wall, "first_step": start_step, "last_step": end})
         result = TrainResult(run=self.registry.get_run(run_id), last_metrics=dict(last), wall_s=wall,
                              resumed_from=resumed_from, first_step=start_step)
         if config.eval.at_end:
