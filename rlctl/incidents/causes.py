@@ -6,7 +6,9 @@ finding another one explains comes right after its cause, marked "follows
 the hack's consequence, not the root), and ``account_for_load``, which checks
 a wall-clock finding (throughput falling, step time growing) against the
 machine's load recorded per step (``host_load_per_cpu``, ``process_cpu_frac``:
-rlctl.engine.metrics.MachineLoad) and, when the machine was busy, turns it
+rlctl.engine.metrics.MachineLoad) and, when the machine was busy (load per
+CPU >= 1, or 1.5x the load before the window, or this process's CPU share
+fell to 0.7x of before while the load was >= 0.5), turns it
 into an ``info`` finding that says so instead of blaming the engine.
 
 ``EXPLAINED_BY`` is the table of what may explain what, by branch. A cause
@@ -39,6 +41,7 @@ WALL_CLOCK_METRICS = frozenset({"generated_tokens_per_s", "learned_tokens_per_s"
                                 "step_time_s", "T_r", "T_l"})
 BUSY_LOAD = 1.0  # load average per CPU at or above which the machine has more runnable threads than CPUs
 BUSY_RISE = 1.5  # or: the load during the flagged window is this many times the load before it (and >= 0.5)
+STARVED = 0.7  # or: the process's CPU share over the window fell to this fraction of before (and load >= 0.5)
 
 
 def rank_by_cause(findings: Sequence[Finding]) -> list[Finding]:
@@ -95,10 +98,12 @@ def _busy(firing: Firing, history: History) -> str | None:
     if load_in is None:
         return None
     risen = load_before is not None and load_before > 0 and load_in >= BUSY_RISE * load_before and load_in >= 0.5
-    if load_in < BUSY_LOAD and not risen:
-        return None
     cpu_in, cpu_before = _mean(history, "process_cpu_frac", first, last), _mean(history, "process_cpu_frac",
                                                                                None, first - 1)
+    starved = (cpu_in is not None and cpu_before is not None and cpu_in <= STARVED * cpu_before
+               and load_in >= 0.5)  # it got less of a CPU per wall second while others ran
+    if load_in < BUSY_LOAD and not risen and not starved:
+        return None
     text = (f"the machine was busy: load average {load_in:.2f} per CPU over steps {first}-{last}"
             + (f" (vs {load_before:.2f} before)" if load_before is not None else ""))
     if cpu_in is not None:

@@ -44,11 +44,11 @@ def test_a_collapse_with_no_earlier_cause_is_a_root():
     assert d.top.branch == "collapse" and d.top.follows == ""
 
 
-def _falling_throughput(load: list[float] | None) -> History:
+def _falling_throughput(load: list[float] | None, cpu: list[float] | None = None) -> History:
     tput = [10000 - 700 * i for i in range(12)]
     series = dict(generated_tokens_per_s=tput, reward_mean=[0.1 + 0.02 * i for i in range(12)])
     if load is not None:
-        series.update(host_load_per_cpu=load, process_cpu_frac=[1.0 - 0.05 * i for i in range(12)])
+        series.update(host_load_per_cpu=load, process_cpu_frac=cpu or [1.0 - 0.01 * i for i in range(12)])
     return hist(**series)
 
 
@@ -61,6 +61,9 @@ def test_falling_throughput_on_a_busy_machine_names_the_load_not_the_engine():
     assert "load average" in busy.top.headline and "not the engine" in busy.top.headline
     idle = diagnose("r", _falling_throughput([0.2] * 12), books)
     assert idle.top.severity == "warning" and "busy" not in idle.top.headline  # the engine it is
+    # the 1-minute load average lags; a process getting half a CPU while the load is 0.86 per CPU is starved
+    starved = diagnose("r", _falling_throughput([0.86] * 12, [1.0] * 4 + [0.5] * 8), books)
+    assert starved.top.severity == "info" and "got 0.50 of a CPU (vs 1.00)" in starved.top.headline
 
 
 def test_machine_load_is_sampled_cheaply_per_step():
