@@ -443,6 +443,9 @@ class RunConfig(_Strict):
                 raise ValueError(f"train.stop_rules.{i} ({r.rule}) reads the periodic dev eval, which is off "
                                  f"(eval.every_steps={self.eval.every_steps}, mode: {self.mode}); set "
                                  "eval.every_steps=N in mode: sync, or drop the rule")
+            if r.rule == "kl" and self.algo.kl.coef == 0:
+                raise ValueError(f"train.stop_rules.{i} (kl) bounds kl_ref, the KL to the reference model, which "
+                                 "is not computed with algo.kl.coef=0; set algo.kl.coef>0, or drop the rule")
             if r.rule == "reward_gap" and self.eval.grader is None:
                 raise ValueError(f"train.stop_rules.{i} (reward_gap) needs an evaluation grader kept apart from the "
                                  "training reward; set eval.grader={name: math}, or drop the rule")

@@ -55,3 +55,19 @@ def test_a_length_hack_grows_the_gap_alerts_and_stops_the_run_keeping_the_best_d
     assert read_manifest(best).metrics["eval_dev_pass_at_1"] == max(dev.values())
     show = rlctl("runs", "show", run["id"], home=tmp_path, check=True).stdout
     assert "stopped by" in show and "reward_gap" in show
+
+
+@pytest.mark.slow  # a tiny training run
+def test_a_bound_rule_stops_a_run_stopped_not_failed_with_its_final_policy(tmp_path, _rlctl_home):
+    from tests.conftest import TINY_OVERRIDES
+
+    if (_rlctl_home / "cache").exists():
+        (tmp_path / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
+    proc = rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "train.steps=5", "eval.at_end=false",
+                 "train.stop_rules=[{rule: entropy, max: 0.01, window: 2}]", "--json", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["run"]["status"] == "stopped"
+    assert "stop rule train.stop_rules.0 (entropy) fired after step 2" in proc.stderr
+    run_dir = Path(out["run"]["run_dir"])
+    assert (run_dir / "policy" / "final" / "config.json").is_file()

@@ -48,6 +48,7 @@ def test_bounds_fire_after_their_window(rule, metric, values, fires_at):
     (["train.stop_rules=[{rule: dev_drop}]"], ["train.stop_rules.0 (dev_drop)", "eval.every_steps=0", "set eval.every_steps=N"]),
     (["train.stop_rules=[{rule: reward_gap, max: 0.5}]", "eval.every_steps=2"], ["eval.grader={name: math}"]),
     (["train.stop_rules=[{rule: speed, max: 1}]"], ["rule"]),
+    (["train.stop_rules=[{rule: kl, max: 0.5}]"], ["train.stop_rules.0 (kl)", "algo.kl.coef=0", "set algo.kl.coef>0"]),
 ])
 def test_config_errors_name_the_rule_the_reason_and_the_fix(overrides, needles):
     from rlctl.config.load import load_config
