@@ -50,17 +50,6 @@ def best_checkpoint_metric(config: RunConfig) -> str | None:
     return config.checkpoint.keep_best_metric
 
 
-def eval_grader_from_config(config: RunConfig) -> Any:
-    """The ``eval.grader`` reward function built from scratch (its worker process calls this)."""
-    from rlctl.hooks.manager import load_plugins
-    from rlctl.placement.build import reward_options
-
-    plugins, spec = load_plugins(), config.eval.grader
-    assert spec is not None
-    return plugins.build("reward_function", spec.name, reward_options(config, plugins, spec.name, spec.options),
-                         "eval.grader.options")
-
-
 class DevEval:
     """Greedy dev pass@1 every N steps; ``__call__(step)`` after each step (0-based)."""
 
@@ -164,6 +153,7 @@ class DevEval:
         from functools import partial
 
         from rlctl.engine.reward_pool import ProcessRewardPool
+        from rlctl.lifecycle.grading import eval_grader_from_config
 
         config = self.roles.config
         if self.pool is None:

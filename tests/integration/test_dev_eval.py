@@ -112,7 +112,7 @@ def test_the_eval_grader_is_built_in_its_own_process(tiny_config):
 
     from rlctl.config.models import RewardComponentConfig
     from rlctl.engine.reward_pool import ProcessRewardPool
-    from rlctl.lifecycle.periodic_eval import eval_grader_from_config
+    from rlctl.lifecycle.grading import eval_grader_from_config
 
     config = tiny_config.model_copy(update={"eval": tiny_config.eval.model_copy(
         update={"grader": RewardComponentConfig(name="math")})})

@@ -21,8 +21,9 @@ HACK = [
     "model.intermediate_size=64", "model.warm_start.steps=400", "model.warm_start.batch_size=32",
     "model.warm_start.target_dev_accuracy=null", "task.options.num_train=2000", "task.options.num_dev=40",
     "task.options.num_hidden=40", "algo.prompts_per_step=8", "algo.group_size=4", "rollout.max_tokens=8",
-    "eval.max_tokens=8", "train.seeds=1", "train.steps=24", "train.optim.lr=0.003", "eval.at_end=false",
+    "eval.max_tokens=8", "train.seeds=1", "train.steps=24", "train.optim.lr=0.003",
     "eval.every_steps=2", "eval.every_num_prompts=20", "checkpoint.every_steps=4", "checkpoint.keep_last=1",
+    "eval.num_prompts=20",
     "reward.components=[{name: length, weight: -1.0, options: {target_tokens: 0}}]", "eval.grader={name: math}",
     "train.stop_rules=[{rule: reward_gap, max: 0.8}]",
 ]
@@ -42,6 +43,7 @@ def test_a_length_hack_grows_the_gap_alerts_and_stops_the_run_keeping_the_best_d
         dev = {p.step: p.value for p in reg.metrics(run["id"], ["eval_dev_pass_at_1"])}
         events = reg.events(run["id"])
         checkpoints = reg.checkpoints(run["id"])
+        final_eval = reg.evals(run["id"])[-1]
     assert len(gap) >= 2 and gap[-1][1] > gap[0][1] and gap[-1][1] > 0.8  # the gap grew past the bound
     evals = [e for e in events if e.kind == "dev_eval"]
     assert evals[0].data["eval_grader"] == "math" and evals[0].data["eval_grader_version"].startswith("math@")
@@ -53,6 +55,9 @@ def test_a_length_hack_grows_the_gap_alerts_and_stops_the_run_keeping_the_best_d
     best = stopped[0].data["best_checkpoint"]
     assert best and Path(best).is_dir() and best in {c.path for c in checkpoints}
     assert read_manifest(best).metrics["eval_dev_pass_at_1"] == max(dev.values())
+    apart = final_eval.details["eval_grader"]  # the end-of-run table: training reward vs eval score, per policy
+    assert apart["final"]["eval_grader_version"].startswith("math@")
+    assert apart["final"]["gap"] == apart["final"]["train_reward"] - apart["final"]["eval_score"] > 0
     show = rlctl("runs", "show", run["id"], home=tmp_path, check=True).stdout
     assert "stopped by" in show and "reward_gap" in show
 
