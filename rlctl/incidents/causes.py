@@ -32,7 +32,8 @@ Finding = Any  # rlctl.incidents.diagnose.Finding (which imports this module)
 
 # consequence branch -> branches whose earlier finding explains it
 EXPLAINED_BY: dict[str, tuple[str, ...]] = {
-    "collapse": ("hacking", "numerics", "grader"),  # a reward drop after a hack, NaN steps or grader failures
+    # a reward drop after a hack, NaN steps, grader failures, or updates that moved the policy too far
+    "collapse": ("hacking", "numerics", "grader", "instability"),
     "instability": ("lag",),  # drift from training on stale samples
 }
 
