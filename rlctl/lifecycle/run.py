@@ -270,7 +270,7 @@ class Run:
 
         self._dev_eval = DevEval(roles, self.plugins, self.registry, run_id, self.warn)
         if self._dev_eval.enabled:  # the dev eval runs before the step's save: its score goes into the manifest
-            checkpointer.prepare = self._dev_eval.prepare
+            checkpointer.prepare = self._prepare_dev
         self._stop_rules = StopRules(config.train.stop_rules) if config.train.stop_rules else None
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
         # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)
@@ -353,6 +353,12 @@ class Run:
             from rlctl.lifecycle.stop_rules import StopRun
 
             raise StopRun(stop, metrics)
+
+    def _prepare_dev(self, steps_done: int, metrics: Mapping[str, float]) -> tuple[Mapping[str, float], bool]:
+        """The checkpointer's hook: the dev eval due at this step, in the watchdog's eval phase."""
+        beat = self._guard.heartbeat if self._guard is not None else None
+        with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
+            return self._dev_eval.prepare(steps_done, metrics)
 
     def _make_checkpointer(self, roles: "Roles") -> Any:
         from rlctl.engine.snapshot import Provenance, StepCheckpointer
