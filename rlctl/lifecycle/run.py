@@ -304,7 +304,8 @@ class Run:
             manifest = dict(store.list_committed())[best]
             kept = (f"; best checkpoint by {store.keep_best_metric} ({manifest.metrics[store.keep_best_metric]:.3g}"
                     f", step {manifest.step}) kept at {best}")
-        self.warn(stop.message + kept)
+        if self.cb.warning:  # shown like a warning; recorded once, as the stopped event
+            self.cb.warning(stop.message + kept)
         self.event("stopped", stop.message + kept, {**stop.to_json(), "best_checkpoint": best})
 
     def _end(self, status: str) -> None:
