@@ -86,6 +86,21 @@ def test_the_live_display_keeps_the_latest_dev_score():
     assert "dev" not in lines[0] and lines[1].count("dev 0.25") == 1 and "dev 0.25" in lines[2]
 
 
+def test_the_live_display_keeps_the_latest_train_vs_eval_gap():
+    import io
+
+    from rich.console import Console
+
+    from rlctl.cli._display import TrainDisplay
+
+    out = io.StringIO()
+    display = TrainDisplay(2, Console(file=out, width=200), plain=True)
+    display.step(0, {"reward_mean": 0.5, "eval_dev_pass_at_1": 0.25, "eval_reward_gap": 0.5})
+    display.step(1, {"reward_mean": 0.9})
+    lines = out.getvalue().splitlines()
+    assert "gap +0.5" in lines[0] and "gap +0.5" in lines[1]
+
+
 def test_the_dev_eval_runs_before_the_save_and_a_new_best_asks_for_one(tiny_config, plugins, monkeypatch):
     """prepare (the checkpointer's hook) puts the dev score into the manifest's metrics; a new best forces a save
     when the best checkpoint is kept by the dev score (stop rules set that); take hands the same result on."""
