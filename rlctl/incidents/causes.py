@@ -9,7 +9,8 @@ machine's load recorded per step (``host_load_per_cpu``, ``process_cpu_frac``:
 rlctl.engine.metrics.MachineLoad) and, when the machine was busy (load per
 CPU >= 1, or 1.5x the load before the window, or this process's CPU share
 fell to 0.7x of before while the load was >= 0.5), turns it
-into an ``info`` finding that says so instead of blaming the engine.
+into an ``info`` finding that says so instead of blaming the engine. The live
+alerts (rlctl.incidents.recovery) add the same note to a wall-clock alert.
 
 ``EXPLAINED_BY`` is the table of what may explain what, by branch. A cause
 must start strictly before its consequence (onset: the first flagged step).
@@ -42,7 +43,7 @@ WALL_CLOCK_METRICS = frozenset({"generated_tokens_per_s", "learned_tokens_per_s"
                                 "step_time_s", "T_r", "T_l"})
 BUSY_LOAD = 1.0  # load average per CPU at or above which the machine has more runnable threads than CPUs
 BUSY_RISE = 1.5  # or: the load during the flagged window is this many times the load before it (and >= 0.5)
-STARVED = 0.7  # or: the process's CPU share over the window fell to this fraction of before (and load >= 0.5)
+STARVED = 0.7  # or: the process's CPU share late in the window fell to this fraction of before (and load >= 0.5)
 
 
 def rank_by_cause(findings: Sequence[Finding]) -> list[Finding]:
@@ -76,7 +77,7 @@ def account_for_load(finding: Finding, history: History) -> Finding:
         return finding
     firings, busy = [], 0
     for f in finding.firings:
-        verdict = _busy(f, history) if f in wall else None
+        verdict = machine_busy(f, history) if f in wall else None
         if verdict:
             busy += 1
             f = replace(f, detail=f"{f.detail}; {verdict}")
@@ -89,7 +90,7 @@ def account_for_load(finding: Finding, history: History) -> Finding:
     return replace(finding, firings=tuple(firings))
 
 
-def _busy(firing: Firing, history: History) -> str | None:
+def machine_busy(firing: Firing, history: History) -> str | None:
     """Why the machine counts as busy over the firing's flagged steps, or None when it was not."""
     if not firing.windows:
         return None
@@ -99,17 +100,21 @@ def _busy(firing: Firing, history: History) -> str | None:
     if load_in is None:
         return None
     risen = load_before is not None and load_before > 0 and load_in >= BUSY_RISE * load_before and load_in >= 0.5
-    cpu_in, cpu_before = _mean(history, "process_cpu_frac", first, last), _mean(history, "process_cpu_frac",
-                                                                               None, first - 1)
-    starved = (cpu_in is not None and cpu_before is not None and cpu_in <= STARVED * cpu_before
+    # the CPU share late in the window against before it (or, with nothing before, the window's first half)
+    mid = (first + last) // 2
+    cpu_late = _mean(history, "process_cpu_frac", mid + 1, last)
+    cpu_ref = _mean(history, "process_cpu_frac", None, first - 1)
+    if cpu_ref is None:
+        cpu_ref = _mean(history, "process_cpu_frac", first, mid)
+    starved = (cpu_late is not None and cpu_ref is not None and cpu_late <= STARVED * cpu_ref
                and load_in >= 0.5)  # it got less of a CPU per wall second while others ran
     if load_in < BUSY_LOAD and not risen and not starved:
         return None
     text = (f"the machine was busy: load average {load_in:.2f} per CPU over steps {first}-{last}"
             + (f" (vs {load_before:.2f} before)" if load_before is not None else ""))
-    if cpu_in is not None:
-        text += f", this process got {cpu_in:.2f} of a CPU" + (f" (vs {cpu_before:.2f})" if cpu_before is not None
-                                                               else "")
+    if cpu_late is not None:
+        text += f", this process got {cpu_late:.2f} of a CPU by the end" + (
+            f" (vs {cpu_ref:.2f})" if cpu_ref is not None else "")
     return text + " - other processes, not the engine, are the likely cause"
 
 

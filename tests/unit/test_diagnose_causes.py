@@ -63,7 +63,7 @@ def test_falling_throughput_on_a_busy_machine_names_the_load_not_the_engine():
     assert idle.top.severity == "warning" and "busy" not in idle.top.headline  # the engine it is
     # the 1-minute load average lags; a process getting half a CPU while the load is 0.86 per CPU is starved
     starved = diagnose("r", _falling_throughput([0.86] * 12, [1.0] * 4 + [0.5] * 8), books)
-    assert starved.top.severity == "info" and "got 0.50 of a CPU (vs 1.00)" in starved.top.headline
+    assert starved.top.severity == "info" and "got 0.50 of a CPU by the end (vs 1.00)" in starved.top.headline
 
 
 def test_machine_load_is_sampled_cheaply_per_step():
@@ -71,3 +71,18 @@ def test_machine_load_is_sampled_cheaply_per_step():
     sum(i * i for i in range(20000))  # some CPU work between two samples
     sample = load.sample()
     assert 0.0 <= sample["process_cpu_frac"] <= 64 and sample.get("host_load_per_cpu", 0.0) >= 0.0
+
+
+def test_a_live_throughput_alert_on_a_busy_machine_says_so():
+    from types import SimpleNamespace
+
+    from rlctl.incidents.recovery import _Alerts
+
+    warnings = []
+    registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: None)
+    alerts = _Alerts(registry, "r", warnings.append, start_step=0)
+    alerts.books = [b for b in load_runbooks(REPO / "runbooks") if b.name == "queue-lag"]
+    for step in range(12):
+        alerts.observe(step, {"generated_tokens_per_s": 10000 - 700 * step, "process_cpu_frac": 1.0 if step < 4
+                              else 0.5, "host_load_per_cpu": 0.9}, [])
+    assert len(warnings) == 1 and "falls steadily" in warnings[0] and "the machine was busy" in warnings[0]
