@@ -116,3 +116,11 @@ def render_eval(record: EvalRecord, details: Mapping[str, Any]) -> None:
     excludes = record.ci_low > 0 or record.ci_high < 0
     verdict = "excludes 0" if excludes else "includes 0: no significant difference"
     _output.console.print(f"CI {verdict}; wins {details.get('wins', '?')}, losses {details.get('losses', '?')}")
+    apart = details.get("eval_grader")
+    if apart:  # eval.grader: the training reward vs the kept-apart eval score on the same answers
+        name = f"{apart['final']['eval_grader']} ({apart['final']['eval_grader_version']})"
+        _output.console.print(_output.table(
+            f"training reward vs eval score (eval.grader {name}), same {record.split} answers",
+            ["policy", "training reward", "eval score", "gap"],
+            [(who, a["train_reward"], a["eval_score"], f"{a['gap']:+.3f}")
+             for who, a in (("start", apart["start"]), ("final", apart["final"]))]))

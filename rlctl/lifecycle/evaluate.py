@@ -113,6 +113,8 @@ class _Grader:
                    "failure_samples": failures, "wins": sum(f > b for b, f in zip(base.correct, final.correct)),
                    "losses": sum(f < b for b, f in zip(base.correct, final.correct)),
                    "baseline_dir": str(initial_dir), "candidate_dir": str(final_dir)}
+        if final.apart is not None:  # eval.grader: pass@1 is its; the training reward on the same answers beside it
+            details["eval_grader"] = {"start": base.apart, "final": final.apart}
         if self.ks:
             details["pass_at_k"] = self._pass_at_k(run, config, records, initial_dir, final_dir)
         record = EvalRecord(run_id=run.id, split=run_split, num_prompts=len(records), baseline_name="start",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.types import PromptRecord, RolloutContext, RolloutRequest, SamplingConfig, TaskData
@@ -28,7 +28,7 @@ class PolicyScores:
     name: str
     correct: tuple[int, ...]  # 1/0 per prompt, in split order
     responses: tuple[str, ...]
-
+    apart: dict[str, Any] | None = None  # with eval.grader: its name, version, mean score and the training reward
     @property
     def pass_at_1(self) -> float:
         return sum(self.correct) / len(self.correct) if self.correct else 0.0
@@ -60,12 +60,49 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         trajectories = backend.generate(requests)
     finally:
         backend.close()
+    if config.eval.grader is not None:
+        return _grade_apart(name, config, plugins, trajectories, records)
     grader = correctness_grader(config, plugins)
     correct = []
     for traj, rec in zip(trajectories, records):
         result = grader.score(traj, rec.answer)
         correct.append(int(result.ok and result.total >= 1.0))
     return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
+
+
+def _grade_apart(name: str, config: RunConfig, plugins: Plugins, trajectories: Sequence[Any],
+                 records: Sequence[PromptRecord]) -> PolicyScores:
+    """Grade with eval.grader in its own process (pass@1 is its), and with the training reward on the same answers."""
+    from functools import partial
+
+    from rlctl.engine.reward_pool import ProcessRewardPool
+    from rlctl.placement.build import build_reward
+
+    answers = [r.answer for r in records]
+    with ProcessRewardPool(partial(eval_grader_from_config, config), 1, timeout_s=config.reward.timeout_s,
+                           retries=config.reward.retries) as pool:
+        graded, version = pool.score(trajectories, answers), pool.version
+    reward = build_reward(config, plugins)
+    trained = [reward.score(t, a) for t, a in zip(trajectories, answers)]
+    n = max(1, len(records))
+    score = sum(g.total for g in graded if g.ok) / n
+    train_reward = sum(t.total for t in trained if t.ok) / max(1, sum(1 for t in trained if t.ok))
+    apart = {"eval_grader": config.eval.grader.name if config.eval.grader else "", "eval_grader_version": version,
+             "eval_score": score, "train_reward": train_reward, "gap": train_reward - score,
+             "grader_errors": sum(1 for g in graded if not g.ok)}
+    return PolicyScores(name=name, correct=tuple(int(g.ok and g.total >= 1.0) for g in graded),
+                        responses=tuple(t.response_text for t in trajectories), apart=apart)
+
+
+def eval_grader_from_config(config: RunConfig) -> Any:
+    """The ``eval.grader`` reward function built from scratch (its worker process calls this)."""
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.placement.build import reward_options
+
+    plugins, spec = load_plugins(), config.eval.grader
+    assert spec is not None, "eval.grader is not set"
+    return plugins.build("reward_function", spec.name, reward_options(config, plugins, spec.name, spec.options),
+                         "eval.grader.options")
 
 
 @dataclass(frozen=True, slots=True)

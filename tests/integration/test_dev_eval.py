@@ -84,3 +84,53 @@ def test_the_live_display_keeps_the_latest_dev_score():
     display.step(2, {"reward_mean": 0.625})
     lines = out.getvalue().splitlines()
     assert "dev" not in lines[0] and lines[1].count("dev 0.25") == 1 and "dev 0.25" in lines[2]
+
+
+def test_the_live_display_keeps_the_latest_train_vs_eval_gap():
+    import io
+
+    from rich.console import Console
+
+    from rlctl.cli._display import TrainDisplay
+
+    out = io.StringIO()
+    display = TrainDisplay(2, Console(file=out, width=200), plain=True)
+    display.step(0, {"reward_mean": 0.5, "eval_dev_pass_at_1": 0.25, "eval_reward_gap": 0.5})
+    display.step(1, {"reward_mean": 0.9})
+    lines = out.getvalue().splitlines()
+    assert "gap +0.5" in lines[0] and "gap +0.5" in lines[1]
+
+
+def test_the_dev_eval_runs_before_the_save_and_a_new_best_asks_for_one(tiny_config, plugins, monkeypatch):
+    """prepare (the checkpointer's hook) puts the dev score into the manifest's metrics; a new best forces a save
+    when the best checkpoint is kept by the dev score (stop rules set that); take hands the same result on."""
+    from rlctl.config.models import StopRule
+    from rlctl.lifecycle.periodic_eval import DevEval, best_checkpoint_metric
+
+    roles = _roles(tiny_config, lambda requests: [])
+    roles.config = roles.config.model_copy(update={"train": roles.config.train.model_copy(
+        update={"stop_rules": [StopRule(rule="dev_drop")]})})
+    assert best_checkpoint_metric(roles.config) == "eval_dev_pass_at_1"
+    dev = DevEval(roles, plugins, _Registry(), "run-1", lambda message: None)
+    scores = iter([0.5, 0.25, 0.75])
+    monkeypatch.setattr(dev, "_evaluate", lambda: {"eval_dev_pass_at_1": next(scores), "eval_dev_seconds": 0.1})
+    assert dev.prepare(1, {"loss": 1.0}) == ({"loss": 1.0}, False)  # step 0: not due
+    metrics, force = dev.prepare(2, {"loss": 1.0})
+    assert force and metrics["eval_dev_pass_at_1"] == 0.5 and dev.take(1)["eval_dev_pass_at_1"] == 0.5
+    assert dev.prepare(4, {})[1] is False  # 0.25: not a new best
+    assert dev.prepare(6, {})[1] is True  # 0.75
+
+
+def test_the_eval_grader_is_built_in_its_own_process(tiny_config):
+    import os
+    from functools import partial
+
+    from rlctl.config.models import RewardComponentConfig
+    from rlctl.engine.reward_pool import ProcessRewardPool
+    from rlctl.lifecycle.grading import eval_grader_from_config
+
+    config = tiny_config.model_copy(update={"eval": tiny_config.eval.model_copy(
+        update={"grader": RewardComponentConfig(name="math")})})
+    with ProcessRewardPool(partial(eval_grader_from_config, config), 1) as pool:
+        assert pool.version.startswith("math@")
+        assert all(w.proc.pid != os.getpid() for w in pool._workers)
