@@ -57,7 +57,7 @@ from rlctl import RewardResult, Trajectory
 from rlctl_rewards import jail_harness
 from rlctl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxUnavailable
 
-VERSION = "1.0"
+VERSION = "1.1"  # 1.1: dict arguments and values keep their insertion order through the jail
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
@@ -164,11 +164,11 @@ def _same(got: Any, want: Any) -> bool:
         return False
     if gk in ("list", "tuple"):
         return isinstance(gv, list) and len(gv) == len(wv) and all(_same(g, w) for g, w in zip(gv, wv))
-    if gk == "dict":
-        if not isinstance(gv, list) or len(gv) != len(wv):
+    if gk == "dict":  # pairs in insertion order; equal dicts need not share it
+        if not isinstance(gv, list) or len(gv) != len(wv) or not all(isinstance(g, list) and len(g) == 2 for g in gv):
             return False
-        return all(isinstance(g, list) and len(g) == 2 and g[0] == w[0] and _same(g[1], w[1])
-                   for g, w in zip(gv, wv))
+        gv, wv = sorted(gv, key=lambda p: str(p[0])), sorted(wv, key=lambda p: str(p[0]))
+        return all(g[0] == w[0] and _same(g[1], w[1]) for g, w in zip(gv, wv))
     return gv == wv
 
 

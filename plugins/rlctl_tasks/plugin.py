@@ -9,6 +9,7 @@ from rlctl import hookimpl
 def register_task_sources(register) -> None:
     from rlctl_tasks.arith import ArithOptions, ArithTask
     from rlctl_tasks.hf_disk import HfDiskOptions, HfDiskTask
+    from rlctl_tasks.humaneval import HumanevalOptions, HumanevalTask
     from rlctl_tasks.jsonl import JsonlOptions, JsonlTask
     from rlctl_tasks.parquet import ParquetOptions, ParquetTask
 
@@ -16,3 +17,4 @@ def register_task_sources(register) -> None:
     register("jsonl", lambda options, seed=0: JsonlTask(options, seed), options=JsonlOptions)
     register("parquet", lambda options, seed=0: ParquetTask(options, seed), options=ParquetOptions)
     register("hf_disk", lambda options, seed=0: HfDiskTask(options, seed), options=HfDiskOptions)
+    register("humaneval", lambda options, seed=0: HumanevalTask(options, seed), options=HumanevalOptions)

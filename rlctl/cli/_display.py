@@ -44,6 +44,8 @@ class TrainDisplay:
         self.label = "RL"  # the estimator's name once the run is known
         self.every = 1
         self.first = 0
+        self._dev: float | None = None
+        self._gap: float | None = None  # eval.grader: the latest training-reward-minus-eval-score gap
         self._t0 = self._warm_t0 = time.monotonic()
 
     def __enter__(self) -> "TrainDisplay":
@@ -121,6 +123,12 @@ class TrainDisplay:
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         info = "  ".join(f"{label} {metrics[key]:.3g}" for label, key in SHOWN if key in metrics)
+        self._dev = metrics.get("eval_dev_pass_at_1", self._dev)  # eval.every_steps: the latest dev pass@1 stays
+        if self._dev is not None:
+            info += f"  dev {self._dev:.3g}"
+        self._gap = metrics.get("eval_reward_gap", self._gap)
+        if self._gap is not None:
+            info += f"  gap {self._gap:+.3g}"
         if self.plain:
             if step % self.every == 0 or step == self.total - 1:
                 done = step + 1 - self.first

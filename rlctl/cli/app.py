@@ -21,6 +21,7 @@ from rlctl.cli import eval as eval_cli
 from rlctl.cli import plugins as plugins_cli
 from rlctl.cli import profile as profile_cli
 from rlctl.cli import registry as registry_cli
+from rlctl.cli import reward as reward_cli
 from rlctl.cli import runs as runs_cli
 from rlctl.cli import serve as serve_cli
 from rlctl.cli import train as train_cli
@@ -48,6 +49,7 @@ def build_app(with_plugins: bool = True) -> typer.Typer:
     app.add_typer(runs_cli.app, name="runs")
     app.add_typer(plugins_cli.app, name="plugins")
     app.add_typer(registry_cli.app, name="registry")
+    app.add_typer(reward_cli.app, name="reward")
     app.add_typer(serve_cli.app, name="serve")
     app.command("diagnose")(diagnose_cli.diagnose)
     app.command("inject")(faults_cli.inject)

@@ -57,6 +57,9 @@ def show(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
             ("config hash", rec.config_hash), ("code version", rec.code_version),
             ("dataset version", rec.dataset_version), ("tokenizer hash", rec.tokenizer_hash), ("seed", rec.seed),
             ("run dir", rec.run_dir), ("error", rec.error)]
+    stopped = [e for e in events if e.kind == "stopped"]
+    if stopped:  # a train.stop_rules rule ended it: which rule, after which step, and the checkpoint kept
+        info.append(("stopped by", stopped[-1].message))
     _output.console.print(_output.table("run", ["field", "value"], info))
     _output.console.print(_output.table("last metrics", ["metric", "step", "value"],
                                         [(k, s, v) for k, (s, v) in sorted(last.items())]))

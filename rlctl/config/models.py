@@ -206,6 +206,34 @@ def sink_specs(entries: list[str | MetricSinkSpec]) -> list[tuple[str, dict[str,
     return [(e, {}) if isinstance(e, str) else (e.name, e.options) for e in entries]
 
 
+STOP_RULE_METRICS = {"dev_drop": "eval_dev_pass_at_1", "kl": "kl_ref", "entropy": "entropy",
+                     "lag_p95": "staleness_p95", "reward_gap": "eval_reward_gap"}
+
+
+class StopRule(_Strict):
+    """One ``train.stop_rules`` entry (rlctl.lifecycle.stop_rules)."""
+
+    rule: Literal["dev_drop", "kl", "entropy", "lag_p95", "reward_gap"] = Field(
+        description="dev_drop: the dev score (eval_dev_pass_at_1) fell on `evals` consecutive dev evals; kl "
+        "(kl_ref), entropy, lag_p95 (staleness_p95) and reward_gap (eval_reward_gap: training reward minus "
+        "eval.grader score on the dev prompts): the metric left [min, max] for `window` consecutive records.")
+    evals: int = Field(2, ge=1, description="dev_drop: consecutive dev evals that each fell below the one before.")
+    min: float | None = Field(None, description="Lower bound (entropy; any bounded rule).")
+    max: float | None = Field(None, description="Upper bound (kl, entropy, lag_p95, reward_gap).")
+    window: int = Field(1, ge=1, description="Consecutive records (steps, or dev evals) out of bounds before it fires.")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "StopRule":
+        if self.rule != "dev_drop" and self.min is None and self.max is None:
+            need = "min and/or max" if self.rule == "entropy" else "max"
+            raise ValueError(f"stop rule {self.rule!r} has no bound: it never fires; set {need}, e.g. "
+                             f"{{rule: {self.rule}, {'min: 0.1' if self.rule == 'entropy' else 'max: 0.5'}}}")
+        if self.min is not None and self.max is not None and self.min >= self.max:
+            raise ValueError(f"stop rule {self.rule!r}: min {self.min:g} >= max {self.max:g}, so it always fires; "
+                             "set min below max")
+        return self
+
+
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps.")
     seeds: int = Field(
@@ -219,6 +247,12 @@ class TrainConfig(_Strict):
     )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Packed learner micro-batches: whole sequences (prompt + response) laid end to end, "
+        "at most this many tokens (and at most algo.micro_batch_size sequences) per forward/backward, with no "
+        "attention across sequences and no padding; a sequence longer than the budget gets a micro-batch of its "
+        "own. Same loss, gradients and log-probs as the padded path. null = padded micro-batches of "
+        "algo.micro_batch_size sequences.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="Where the learner's model, "
                         "optimizer state and batches live: auto (the first GPU when CUDA is usable, else CPU), cpu, "
                         "cuda or cuda:N. Asking for cuda where there is none is an error.")
@@ -240,6 +274,10 @@ class TrainConfig(_Strict):
         "(max |behaviour logprob from the rollout engine - the learner's recomputation| over the step's tokens, "
         "before the update) exceeds this; null = off. In fp32 on CPU, vLLM and rlctl's engine stay below 1e-5."
     )
+    stop_rules: list[StopRule] = Field(
+        default_factory=list, description="End the run early, with status `stopped`, when a rule fires (a "
+        "`stopped` event names the rule and step); with eval.every_steps the checkpoint at the best dev eval "
+        "is kept. See docs/evaluation.md.")
     deterministic: bool = Field(
         False, description="Seed python/numpy/torch and use deterministic torch kernels: a CPU run is "
         "bit-reproducible, also across a checkpoint and resume."
@@ -303,7 +341,7 @@ class FaultsConfig(_Strict):
 # Config paths a resume may change without --allow-config-change: they do not
 # change what the next step computes. A path covers everything below it.
 RESUME_MUTABLE_PATHS = (
-    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "train.metrics_port", "eval",
+    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "train.metrics_port", "train.stop_rules", "eval",
     "checkpoint.every_steps",
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
     "faults",
@@ -379,6 +417,14 @@ class EvalConfig(_Strict):
     max_tokens: int = Field(12, ge=1, description="Greedy decoding budget.")
     bootstrap_samples: int = Field(2000, ge=100, description="Paired bootstrap resamples.")
     at_end: bool = Field(True, description="Evaluate after `rlctl train` finishes.")
+    every_steps: int = Field(0, ge=0, description="Greedy dev pass@1 every N steps during training, recorded as "
+                             "metric eval_dev_pass_at_1 (0 = off; mode: sync only; a failed eval never stops "
+                             "training).")
+    every_num_prompts: int = Field(64, ge=1, description="Dev prompts per periodic eval (the first N of dev).")
+    grader: RewardComponentConfig | None = Field(
+        None, description="The evaluation grader, kept apart from the training reward: {name, options} of a "
+        "reward function, run in its own process by the periodic dev eval (its pass@1 and mean score; the gap "
+        "to the training reward on the same answers is eval_reward_gap). null = the run's correctness reward.")
 
 
 class RunConfig(_Strict):
@@ -402,9 +448,34 @@ class RunConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
+    def _stop_rules_have_their_metric(self) -> "RunConfig":
+        for i, r in enumerate(self.train.stop_rules):
+            if r.rule in ("dev_drop", "reward_gap") and (self.eval.every_steps == 0 or self.mode != "sync"):
+                raise ValueError(f"train.stop_rules.{i} ({r.rule}) reads the periodic dev eval, which is off "
+                                 f"(eval.every_steps={self.eval.every_steps}, mode: {self.mode}); set "
+                                 "eval.every_steps=N in mode: sync, or drop the rule")
+            if r.rule == "kl" and self.algo.kl.coef == 0:
+                raise ValueError(f"train.stop_rules.{i} (kl) bounds kl_ref, the KL to the reference model, which "
+                                 "is not computed with algo.kl.coef=0; set algo.kl.coef>0, or drop the rule")
+            if r.rule == "reward_gap" and self.eval.grader is None:
+                raise ValueError(f"train.stop_rules.{i} (reward_gap) needs an evaluation grader kept apart from the "
+                                 "training reward; set eval.grader={name: math}, or drop the rule")
+        return self
+
+    @model_validator(mode="after")
     def _partial_needs_overlap(self) -> "RunConfig":
         if self.staleness.partial_fraction < 1 and self.mode == "sync":
             raise ValueError("staleness.partial_fraction < 1 needs mode one_step_off or async: in mode=sync a "
                              "group carried over to the next step is always one version stale and would be dropped; "
                              "set mode=one_step_off (or async), or staleness.partial_fraction=1")
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_fits_a_response(self) -> "RunConfig":
+        budget = self.train.micro_batch_tokens
+        if budget is not None and budget <= self.rollout.max_tokens:
+            raise ValueError(f"train.micro_batch_tokens={budget} cannot hold one full-length sequence (a prompt "
+                             f"plus rollout.max_tokens={self.rollout.max_tokens} response tokens), so most "
+                             f"micro-batches would hold one sequence; set it well above rollout.max_tokens (e.g. "
+                             f"{8 * (self.rollout.max_tokens + 32)}), or null for padded micro-batches")
         return self

@@ -352,6 +352,26 @@ class EvalRecord:
 
 
 @dataclass(**_FROZEN)
+class ModelEvalRecord:
+    """One evaluation of a model directory without a run (a checkpoint or an exported Hugging Face model).
+
+    ``model_hash`` is a sha256 over the directory's weight files; ``results`` holds pass@k per k with its
+    bootstrap CI (rlctl.lifecycle.passk.summarize without the per-prompt list, which is in ``details``).
+    """
+
+    id: int | None
+    model_hash: str
+    model_dir: str
+    split: str
+    num_prompts: int
+    num_samples: int
+    temperature: float
+    results: Mapping[str, Any]
+    created_at: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(**_FROZEN)
 class AblationRecord:
     """An ablation: ``spec`` holds the base config, axes, seeds, baseline cell and token budget."""
 
@@ -425,6 +445,9 @@ class LearnerContext:
     # ``(make_rank, label, ctx, options) -> ranks``; None = processes on this node (rlctl.placement.ray_ranks
     # gives Ray actors under cluster.backend=ray). Learners that are one process ignore it.
     rank_launcher: Any = None
+    # train.micro_batch_tokens: pack whole sequences into micro-batches of at most this many tokens (rlctl.kit.packing);
+    # None = padded micro-batches of algo.micro_batch_size sequences
+    micro_batch_tokens: int | None = None
 
 
 @dataclass(**_FROZEN)

@@ -263,6 +263,10 @@ class DiskCheckpointStore:
                 deleted.append(Path(path).name)
         return deleted
 
+    def best_committed(self) -> str | None:
+        """The committed checkpoint kept for the best ``keep_best_metric`` (None: off, or none recorded it)."""
+        return self._best(self.list_committed())
+
     def _best(self, committed: list[tuple[str, CheckpointManifest]]) -> str | None:
         name = self.keep_best_metric
         scored = [(m.metrics[name], m.step, p) for p, m in committed

@@ -21,6 +21,7 @@ from rlctl.contracts.errors import RoleError
 from rlctl.contracts.roles import MetricSink
 from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
+from rlctl.engine.metrics import MachineLoad
 from rlctl.engine.roles import Roles
 from rlctl.engine.spec import LoopSpec
 from rlctl.engine.step import StepInput, train_on
@@ -40,6 +41,9 @@ class StepEnd:
 
     The run stops after the step at which the generated-token budget
     (``train.max_generated_tokens``, counted from the loop's first step) is spent.
+    ``log`` adds the machine's load over the step to the step's metrics
+    (rlctl.engine.metrics.MachineLoad), so a diagnosis can tell a busy machine
+    from a slow engine.
     """
 
     def __init__(self, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None,
@@ -47,6 +51,7 @@ class StepEnd:
         self.spec, self.sinks, self.observer, self.checkpoint = spec, sinks, observer, checkpoint
         self.heartbeat = heartbeat
         self.generated_total = 0.0
+        self.load = MachineLoad()
 
     def count(self, tokens: float) -> float:
         """Add a step's generated tokens; the running total."""
@@ -54,7 +59,11 @@ class StepEnd:
         return self.generated_total
 
     def log(self, step: int, metrics: Mapping[str, float]) -> bool:
-        """Write the step's metrics where due; whether the budget is spent (the loop stops after this step)."""
+        """Write the step's metrics where due; whether the budget is spent (the loop stops after this step).
+
+        ``metrics`` (the step's dict) gains the load metrics in place, so the observer sees them too."""
+        if isinstance(metrics, dict):
+            metrics.update(self.load.sample())
         spent = self.spec.spent(metrics["generated_tokens_total"])
         bound, mismatch = self.spec.logprob_mismatch_bound, metrics.get("logprob_mismatch_max")
         if self.spec.logs(step, spent) or (bound is not None and mismatch is not None and mismatch > bound):

@@ -115,3 +115,34 @@ def overlap_metrics(*, staleness: Sequence[int], dlag: Sequence[float], latencie
     out["staleness_max"] = float(max(staleness, default=0))
     out["staleness_violations"] = float(sum(1 for x in staleness if x > bound))
     return out
+
+
+class MachineLoad:
+    """How busy the machine was over each step, for telling a busy machine from a slow engine (rlctl diagnose).
+
+    ``sample()`` (once per step, at its end): ``host_load_per_cpu``, the 1-minute
+    load average over the CPU count (above 1: more runnable threads than CPUs,
+    from any process), and ``process_cpu_frac``, this process's CPU seconds (all
+    threads) over the wall seconds since the previous sample. Two system calls.
+    """
+
+    def __init__(self) -> None:
+        import os
+        import time
+
+        self._cpus = os.cpu_count() or 1
+        self._last = (time.perf_counter(), time.process_time())
+
+    def sample(self) -> dict[str, float]:
+        import os
+        import time
+
+        now = (time.perf_counter(), time.process_time())
+        wall, cpu = now[0] - self._last[0], now[1] - self._last[1]
+        self._last = now
+        out = {"process_cpu_frac": cpu / wall if wall > 0 else 0.0}
+        try:
+            out["host_load_per_cpu"] = os.getloadavg()[0] / self._cpus
+        except (OSError, AttributeError):  # no load average on this platform: the metric is not recorded
+            pass
+        return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from rlctl.config.load import config_changes
 from rlctl.config.models import RESUME_MUTABLE_PATHS
@@ -78,6 +78,9 @@ class StepCheckpointer:
         self.every_steps, self.total_steps = every_steps, total_steps
         self.blocking_s: list[float] = []
         self._shadow: TrainBatch | None = None
+        # (steps_done, metrics) -> (metrics to save, save even when not due): the run's dev eval adds its score
+        # to the manifest and asks for a save at a new best dev score (rlctl.lifecycle.periodic_eval)
+        self.prepare: Callable[[int, Mapping[str, float]], tuple[Mapping[str, float], bool]] | None = None
 
     def due(self, steps_done: int) -> bool:
         return self.every_steps > 0 and (steps_done % self.every_steps == 0 or steps_done == self.total_steps)
@@ -88,7 +91,10 @@ class StepCheckpointer:
 
         ``queue_cursor``: the overlapped driver's trajectory-queue cursor, saved with the checkpoint.
         """
-        if not self.due(steps_done):
+        force = False
+        if self.prepare is not None:
+            metrics, force = self.prepare(steps_done, metrics)
+        if not (force and self.every_steps > 0) and not self.due(steps_done):
             return
         started = time.perf_counter()
         if self._shadow is None:

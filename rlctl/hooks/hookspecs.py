@@ -142,4 +142,4 @@ def on_checkpoint_saved(run_id: str, step: int, path: str, manifest: Any) -> Non
 
 @hookspec
 def on_run_end(run_id: str, status: str) -> None:
-    """The run finished with ``status`` (succeeded / failed / interrupted)."""
+    """The run finished with ``status`` (succeeded / stopped / failed / interrupted)."""

@@ -4,8 +4,14 @@ What this is: ``diagnose(history, runbooks)`` walks the diagnosis tree, which
 is the runbooks' triggers in tree order (numerics first, then grader, lag,
 collapse / hacking / instability, and data last): every trigger that fires
 becomes evidence of a finding (one finding per runbook and branch). Findings
-are ranked by severity, then by the branch's position in the tree, then by
-how far past its bound the worst trigger went. ``diagnose_run`` reads the
+are ranked by cause (rlctl.incidents.causes): a finding another one explains
+(a reward collapse whose onset follows a length-hacking episode) is a
+consequence, ranked right after its cause and saying "follows ..."; the root
+findings are ranked by severity, then onset (the first flagged step), then the
+branch's position in the tree, then how far past its bound the worst trigger
+went. Wall-clock findings (throughput falling, step time growing) are checked
+against the machine's recorded load: when the machine was busy they become an
+``info`` finding that names the load instead of blaming the engine. ``diagnose_run`` reads the
 run from the registry. ``render_html`` / ``render_pngs`` draw the metric
 curves of each finding with the flagged windows shaded (matplotlib, PNGs
 embedded base64 in one self-contained HTML file).
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlctl.incidents.causes import account_for_load, rank_by_cause
 from rlctl.incidents.runbooks import Runbook, load_runbooks
 from rlctl.incidents.triggers import SEVERITY_RANK, Firing, History, evaluate, history_from
 
@@ -42,19 +49,25 @@ class Finding:
     firings: tuple[Firing, ...]
     actions: tuple[str, ...]
     order: int
+    follows: str = ""  # "follows <cause> (from step N)" when another finding explains this one
 
     @property
-    def score(self) -> tuple[int, int, float]:
-        return (SEVERITY_RANK[self.severity], -self.order, max(f.magnitude for f in self.firings))
+    def onset(self) -> int:
+        """The first flagged step of any of its triggers."""
+        return min((w[0] for f in self.firings for w in f.windows), default=-1)
+
+    @property
+    def score(self) -> tuple[int, int, int, float]:
+        return (SEVERITY_RANK[self.severity], -self.onset, -self.order, max(f.magnitude for f in self.firings))
 
     @property
     def headline(self) -> str:
         lead = max(self.firings, key=lambda f: (SEVERITY_RANK[f.trigger.severity], f.magnitude))
-        return f"{lead.trigger.summary}: {lead.detail}"
+        return f"{lead.trigger.summary}: {lead.detail}" + (f"; {self.follows}" if self.follows else "")
 
     def to_json(self) -> dict[str, Any]:
         return {"branch": self.branch, "runbook": self.runbook, "title": self.title, "severity": self.severity,
-                "headline": self.headline, "evidence": [f.to_json() for f in self.firings],
+                "onset": self.onset, "follows": self.follows or None, "headline": self.headline, "evidence": [f.to_json() for f in self.firings],
                 "actions": list(self.actions), "open": f"rlctl runbook show {self.runbook}"}
 
 
@@ -94,7 +107,7 @@ def diagnose(run_id: str, history: History, runbooks: Sequence[Runbook]) -> Diag
     steps = max((s for series in history.metrics.values() for s, _ in series), default=-1) + 1
     if not findings and _reward_flat(history):
         findings.append(_data_finding(history))
-    findings.sort(key=lambda f: f.score, reverse=True)
+    findings = rank_by_cause([account_for_load(f, history) for f in findings])
     events = tuple({"kind": e.kind, "message": e.message, "step": (e.data or {}).get("step")}
                    for e in history.events if e.kind in RECOVERY_EVENTS)
     return Diagnosis(run_id=run_id, findings=tuple(findings), steps=steps, events=events)

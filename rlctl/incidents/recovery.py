@@ -39,6 +39,7 @@ from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.roles import ResumePoint
+from rlctl.incidents.causes import WALL_CLOCK_METRICS, machine_busy
 from rlctl.incidents.triggers import History
 from rlctl.incidents.watchdog import HangError, Watchdog
 
@@ -367,6 +368,8 @@ class _Alerts:
                 if last is not None and 0 < step - last <= REALERT_AFTER:
                     continue  # the same episode
                 message = f"[{trigger.severity}] {trigger.summary} ({firing.detail}); runbook {book.name}"
+                if trigger.metric in WALL_CLOCK_METRICS and (busy := machine_busy(firing, history)):
+                    message += f"; {busy}"  # a busy machine, not the engine (rlctl.incidents.causes)
                 self.warn(f"ALERT {message}")
                 self.registry.add_event(self.run_id, "alert", message, {
                     "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})

@@ -52,6 +52,7 @@ from rlctl.contracts.checkpoints import LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
+from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths, use_segment_attention
 from rlctl.kit.prefill import prefix_shared_logprobs
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
@@ -95,6 +96,10 @@ class TorchLearner:
         self.policy_version = 0
         self.nan_skips = 0
         self.micro_batch_size = self.algo.micro_batch_size  # halved for the rest of the run after an OOM
+        self.micro_batch_tokens = ctx.micro_batch_tokens  # None: padded micro-batches; else packed (rlctl.kit.packing)
+        if self.micro_batch_tokens is not None:
+            use_segment_attention(self.model)
+            use_segment_attention(self.reference)
         self.oom_recoveries = 0
 
     def _build_optimizer(self) -> None:
@@ -122,9 +127,11 @@ class TorchLearner:
         return logp, entropy
 
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
-        """Per-token log-probs (and entropy); prompts shared by several rows are prefilled once."""
+        """Per-token log-probs (and entropy); packed, or with prompts shared by several rows prefilled once."""
         batch = batch.to(self.device)
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
+            if self.micro_batch_tokens is not None:
+                return packed_logprobs(model, batch, with_entropy, self.options.share_prompt_prefill)
             if self.options.share_prompt_prefill:
                 shared = prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:
@@ -132,7 +139,12 @@ class TorchLearner:
             return self._logprobs(model, batch, with_entropy)
 
     def _micro_batches(self, batch: TrainBatch):
+        """Consecutive slices of ``batch``: ``micro_batch_size`` rows, or packed under ``micro_batch_tokens``."""
         size = self.micro_batch_size
+        if self.micro_batch_tokens is not None:
+            for rows in pack_rows(sequence_lengths(batch), self.micro_batch_tokens, size):
+                yield batch.select(rows)
+            return
         for start in range(0, batch.num_sequences, size):
             yield batch.select(range(start, min(start + size, batch.num_sequences)))
 
@@ -284,6 +296,8 @@ class TorchLearner:
                             "the step cannot shrink further; see `rlctl runbook show oom` (shard the model, "
                             "lower rollout.max_tokens, or enable gradient checkpointing)") from err
         self.micro_batch_size = max(1, old // 2)
+        if self.micro_batch_tokens is not None:  # packed: the token budget is what bounds the activations
+            self.micro_batch_tokens = max(1, self.micro_batch_tokens // 2)
         self.oom_recoveries += 1
         report_recovery("oom_recovered", f"OOM in the learner classified as {kind}; micro-batch {old} -> "
                         f"{self.micro_batch_size}, step retried with the same effective batch",
@@ -378,8 +392,11 @@ class TorchLearner:
         )
 
     def _counters(self) -> dict[str, int]:
-        return {"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
-                "oom_recoveries": self.oom_recoveries}
+        out = {"nan_skips": self.nan_skips, "micro_batch_size": self.micro_batch_size,
+               "oom_recoveries": self.oom_recoveries}
+        if self.micro_batch_tokens is not None:
+            out["micro_batch_tokens"] = self.micro_batch_tokens
+        return out
 
     def _restore_progress(self, state: LearnerState) -> None:
         """Everything but weights and optimizer: LR schedule, mini-batch RNG, version, counters."""
@@ -389,6 +406,8 @@ class TorchLearner:
         self.nan_skips = int(state.counters.get("nan_skips", 0))
         self.micro_batch_size = int(state.counters.get("micro_batch_size", self.algo.micro_batch_size))
         self.oom_recoveries = int(state.counters.get("oom_recoveries", 0))
+        if self.micro_batch_tokens is not None:
+            self.micro_batch_tokens = int(state.counters.get("micro_batch_tokens", self.micro_batch_tokens))
 
     def load_checkpoint_state(self, state: LearnerState) -> None:
         current = _unaliased(self.model.state_dict())

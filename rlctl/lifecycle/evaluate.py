@@ -41,12 +41,13 @@ class GroupEval:
 
 def evaluate_run(registry: Registry, plugins: Plugins, run_id: str, split: str | None = None,
                  num_prompts: int | None = None, progress: Callable[[str], None] | None = None,
-                 ) -> tuple[EvalRecord, dict[str, Any]]:
-    return evaluate_runs(registry, plugins, [run_id], split, num_prompts, progress).evals[0]
+                 ks: Sequence[int] | None = None, samples: int | None = None) -> tuple[EvalRecord, dict[str, Any]]:
+    return evaluate_runs(registry, plugins, [run_id], split, num_prompts, progress, ks, samples).evals[0]
 
 
 def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], split: str | None = None,
-                  num_prompts: int | None = None, progress: Callable[[str], None] | None = None) -> GroupEval:
+                  num_prompts: int | None = None, progress: Callable[[str], None] | None = None,
+                  ks: Sequence[int] | None = None, samples: int | None = None) -> GroupEval:
     """Grade each run's start and final policy on the same prompts; pooled over the runs when there are several."""
     from rlctl.lifecycle.grading import pooled_bootstrap
 
@@ -55,7 +56,7 @@ def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], 
     runs = [registry.get_run(r) for r in run_ids]
     if len({r.id for r in runs}) != len(runs):
         raise RegistryError("a run is named twice", "name each run once")
-    grader = _Grader(plugins, progress)
+    grader = _Grader(plugins, progress, ks, samples)
     out: list[tuple[EvalRecord, dict[str, Any]]] = []
     pairs, prompt_ids = [], None
     for run in runs:
@@ -81,8 +82,10 @@ def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], 
 class _Grader:
     """Grades runs' policies, loading each task once and grading each (policy, decoding) once."""
 
-    def __init__(self, plugins: Plugins, progress: Callable[[str], None] | None) -> None:
+    def __init__(self, plugins: Plugins, progress: Callable[[str], None] | None, ks: Sequence[int] | None = None,
+                 samples: int | None = None) -> None:
         self.plugins, self.progress = plugins, progress
+        self.ks, self.samples = list(ks or []), samples
         self.tasks: dict[str, Any] = {}
         self.graded: dict[tuple[str, str], Any] = {}  # (policy dir, decoding settings) -> PolicyScores
 
@@ -110,11 +113,32 @@ class _Grader:
                    "failure_samples": failures, "wins": sum(f > b for b, f in zip(base.correct, final.correct)),
                    "losses": sum(f < b for b, f in zip(base.correct, final.correct)),
                    "baseline_dir": str(initial_dir), "candidate_dir": str(final_dir)}
+        if final.apart is not None:  # eval.grader: pass@1 is its; the training reward on the same answers beside it
+            details["eval_grader"] = {"start": base.apart, "final": final.apart}
+        if self.ks:
+            details["pass_at_k"] = self._pass_at_k(run, config, records, initial_dir, final_dir)
         record = EvalRecord(run_id=run.id, split=run_split, num_prompts=len(records), baseline_name="start",
                             candidate_name="final", baseline_pass_at_1=base.pass_at_1,
                             candidate_pass_at_1=final.pass_at_1, diff=comp.diff, ci_low=comp.ci_low,
                             ci_high=comp.ci_high, created_at=time.time(), details=details)
         return record, details, base, final, [r.id for r in records]
+
+    def _pass_at_k(self, run: Any, config: RunConfig, records: Sequence[Any], initial_dir: Path,
+                   final_dir: Path) -> dict[str, Any]:
+        """pass@k of the start and the final policy: n sampled answers per prompt at rollout.temperature."""
+        from rlctl.lifecycle.grading import sample_policy
+        from rlctl.lifecycle.passk import samples_for, summarize
+
+        n = samples_for(self.ks, self.samples, config.rollout.temperature)
+        temperature = config.rollout.temperature if n > 1 else 0.0
+        out: dict[str, Any] = {"n": n, "temperature": temperature, "ks": self.ks}
+        for name, policy_dir in (("start", initial_dir), ("final", final_dir)):
+            if self.progress:
+                self.progress(f"sampling {n} answers per prompt from the {name} policy of run {run.id}")
+            scores = sample_policy(policy_dir, config, self.plugins, self._task(run, config), records, n, temperature)
+            out[name] = summarize(scores.counts, n, self.ks, [r.id for r in records],
+                                  config.eval.bootstrap_samples, config.run.seed)
+        return out
 
     def _task(self, run: Any, config: RunConfig) -> Any:
         from rlctl.placement.build import load_task

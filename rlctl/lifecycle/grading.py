@@ -5,8 +5,10 @@ through the configured rollout backend, grade it with the run's correctness
 reward (the ``math`` component, or the first component), and compare two
 policies on the same prompts with a paired bootstrap 95% CI.
 
-What this is not: registry bookkeeping (rlctl.lifecycle.evaluate) or sampling-based
-pass@k.
+``sample_policy`` draws n answers per prompt at a temperature and counts the
+correct ones, for pass@k (rlctl.lifecycle.passk).
+
+What this is not: registry bookkeeping (rlctl.lifecycle.evaluate).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.types import PromptRecord, RolloutContext, RolloutRequest, SamplingConfig, TaskData
@@ -26,7 +28,7 @@ class PolicyScores:
     name: str
     correct: tuple[int, ...]  # 1/0 per prompt, in split order
     responses: tuple[str, ...]
-
+    apart: dict[str, Any] | None = None  # with eval.grader: its name, version, mean score and the training reward
     @property
     def pass_at_1(self) -> float:
         return sum(self.correct) / len(self.correct) if self.correct else 0.0
@@ -58,7 +60,9 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         trajectories = backend.generate(requests)
     finally:
         backend.close()
-    grader = _correctness_grader(config, plugins)
+    if config.eval.grader is not None:
+        return _grade_apart(name, config, plugins, trajectories, records)
+    grader = correctness_grader(config, plugins)
     correct = []
     for traj, rec in zip(trajectories, records):
         result = grader.score(traj, rec.answer)
@@ -66,7 +70,91 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
     return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
 
 
-def _correctness_grader(config: RunConfig, plugins: Plugins):
+def _grade_apart(name: str, config: RunConfig, plugins: Plugins, trajectories: Sequence[Any],
+                 records: Sequence[PromptRecord]) -> PolicyScores:
+    """Grade with eval.grader in its own process (pass@1 is its), and with the training reward on the same answers."""
+    from functools import partial
+
+    from rlctl.engine.reward_pool import ProcessRewardPool
+    from rlctl.placement.build import build_reward
+
+    answers = [r.answer for r in records]
+    with ProcessRewardPool(partial(eval_grader_from_config, config), 1, timeout_s=config.reward.timeout_s,
+                           retries=config.reward.retries) as pool:
+        graded, version = pool.score(trajectories, answers), pool.version
+    reward = build_reward(config, plugins)
+    trained = [reward.score(t, a) for t, a in zip(trajectories, answers)]
+    n = max(1, len(records))
+    score = sum(g.total for g in graded if g.ok) / n
+    train_reward = sum(t.total for t in trained if t.ok) / max(1, sum(1 for t in trained if t.ok))
+    apart = {"eval_grader": config.eval.grader.name if config.eval.grader else "", "eval_grader_version": version,
+             "eval_score": score, "train_reward": train_reward, "gap": train_reward - score,
+             "grader_errors": sum(1 for g in graded if not g.ok)}
+    return PolicyScores(name=name, correct=tuple(int(g.ok and g.total >= 1.0) for g in graded),
+                        responses=tuple(t.response_text for t in trajectories), apart=apart)
+
+
+def eval_grader_from_config(config: RunConfig) -> Any:
+    """The ``eval.grader`` reward function built from scratch (its worker process calls this)."""
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.placement.build import reward_options
+
+    plugins, spec = load_plugins(), config.eval.grader
+    assert spec is not None, "eval.grader is not set"
+    return plugins.build("reward_function", spec.name, reward_options(config, plugins, spec.name, spec.options),
+                         "eval.grader.options")
+
+
+@dataclass(frozen=True, slots=True)
+class SampledScores:
+    """n sampled answers per prompt: correct counts per prompt, and the first sample's response of each."""
+
+    counts: tuple[int, ...]
+    n: int
+    temperature: float
+    responses: tuple[str, ...]
+    grade_seconds: float
+
+
+def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: TaskData,
+                  records: Sequence[PromptRecord], n: int, temperature: float) -> SampledScores:
+    """Sample ``n`` answers per prompt at ``temperature`` (top_p/top_k from rollout) and count correct ones."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from rlctl.models.tokenizer import tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
+                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
+                                               seed=config.run.seed))
+    sampling = SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
+                              max_tokens=config.eval.max_tokens)
+    requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=n,
+                               sampling=sampling, dataset_version=task.version) for r in records]
+    try:
+        trajectories = backend.generate(requests)
+    finally:
+        backend.close()
+    grader = correctness_grader(config, plugins)
+    started = time.perf_counter()
+    answers = [rec.answer for rec in records for _ in range(n)]
+    if config.reward.workers > 1:  # a sandboxed grader (code) waits on its jail: grade reward.workers at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(config.reward.workers) as pool:
+            results = list(pool.map(grader.score, trajectories, answers))
+    else:
+        results = [grader.score(t, a) for t, a in zip(trajectories, answers)]
+    correct = [int(r.ok and r.total >= 1.0) for r in results]
+    counts = [sum(correct[i * n:(i + 1) * n]) for i in range(len(records))]
+    return SampledScores(counts=tuple(counts), n=n, temperature=temperature,
+                         responses=tuple(trajectories[i * n].response_text for i in range(len(records))),
+                         grade_seconds=time.perf_counter() - started)
+
+
+def correctness_grader(config: RunConfig, plugins: Plugins):
     comps = config.reward.components
     chosen = next((c for c in comps if c.name == "math"), comps[0])
     from rlctl.placement.build import reward_options

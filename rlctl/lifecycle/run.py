@@ -1,7 +1,7 @@
 """One run's lifecycle, for a new run and a resumed one alike.
 
 What this is: ``Run``, which owns everything around the loop: the registry row
-and its status (running -> succeeded / failed / interrupted), run events and
+and its status (running -> succeeded / stopped / failed / interrupted), run events and
 warnings, metric sinks, observer hooks (``on_run_start``, ``on_step_end``,
 ``on_run_end``), the checkpoint store with its registry index, the run
 directory's lock (through ``RunDir``), and signal handling. ``Run.create``
@@ -13,6 +13,10 @@ Rules it keeps:
 - SIGTERM is handled like Ctrl-C: the save in flight is finished (a second
   signal abandons it cleanly), and the run is marked ``interrupted`` with an
   event saying whether, and from which step, it can be resumed;
+- a ``train.stop_rules`` rule that fires (rlctl.lifecycle.stop_rules) ends the
+  loop after that step: the run saves as at a normal end, records a ``stopped``
+  event naming the rule, the step and the best dev checkpoint, and is marked
+  ``stopped``;
 - any other failure marks the run ``failed`` with the error, and re-raises;
 - the checkpoint directories are the truth: the registry's checkpoint rows
   are indexed after each commit and reconciled with the directory on resume.
@@ -94,8 +98,11 @@ class Run:
         self._lock, self._new = lock, new
         self._placement: "Placement | None" = None
         self._guard: Any = None  # rlctl.incidents.recovery.RunGuard while the loop runs
+        self._dev_eval: Any = None  # rlctl.lifecycle.periodic_eval.DevEval while the loop runs
         self._sinks: list[Any] = []
         self._checkpointer: Any = None
+        self._stop_rules: Any = None  # rlctl.lifecycle.stop_rules.StopRules when train.stop_rules is set
+        self._stopped: Any = None  # the StopRun that ended the loop early
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -221,7 +228,7 @@ class Run:
         with _sigterm_as_interrupt():
             try:
                 last = self._train(roles, resume)
-                status = "succeeded"
+                status = "stopped" if self._stopped is not None else "succeeded"
             except KeyboardInterrupt:
                 status = "interrupted"
                 self._close_quietly(self._checkpointer)
@@ -262,6 +269,13 @@ class Run:
 
             self._sinks.append(MetricsEndpoint(config.train.metrics_port, run_id=run_id, run_dir=self.dir.root))
         checkpointer = self._checkpointer = self._make_checkpointer(roles)
+        from rlctl.lifecycle.periodic_eval import DevEval
+        from rlctl.lifecycle.stop_rules import StopRules, StopRun
+
+        self._dev_eval = DevEval(roles, self.plugins, self.registry, run_id, self.warn)
+        if self._dev_eval.enabled:  # the dev eval runs before the step's save: its score goes into the manifest
+            checkpointer.prepare = self._prepare_dev
+        self._stop_rules = StopRules(config.train.stop_rules) if config.train.stop_rules else None
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
         # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)
         guard = self._guard = RunGuard(roles, run_id, self.dir.root, self.registry, self.plugins, self.warn,
@@ -271,21 +285,40 @@ class Run:
         spec = LoopSpec.from_config(config)
         recover = partial(recover_newest, roles, checkpointer.store, config.checkpoint.shadow_tolerance)
         # the same guard in every mode: a NaN rollback re-enters the loop from the restored resume point
-        last = guard.run(lambda point: drive(
-            roles, spec, self._sinks, observer=self._on_step, resume=point, checkpoint=checkpointer,
-            heartbeat=guard.heartbeat, directory=self.dir.root, recover=recover, store=checkpointer.store),
-            resume, checkpointer)
+        try:
+            last = guard.run(lambda point: drive(
+                roles, spec, self._sinks, observer=self._on_step, resume=point, checkpoint=checkpointer,
+                heartbeat=guard.heartbeat, directory=self.dir.root, recover=recover, store=checkpointer.store),
+                resume, checkpointer)
+        except StopRun as stop:  # a stop rule fired: end as at the last step, then say which rule and where
+            self._stopped, last = stop, stop.metrics
         with guard.heartbeat.phase("save", "checkpoint"):  # the last save, the final policy
             checkpointer.close()
             self.dir.write_model_dir(self.dir.final_policy, roles.learner.save_pretrained,
                                      roles.tokenizer.save_pretrained)
+        if self._stopped is not None:
+            self._record_stop(self._stopped.stop, checkpointer.store)
         return last
+
+    def _record_stop(self, stop: Any, store: Any) -> None:
+        """The ``stopped`` event: the rule, the step, and the checkpoint kept at the best dev score."""
+        best = store.best_committed()
+        kept = ""
+        if best is not None:
+            manifest = dict(store.list_committed())[best]
+            kept = (f"; best checkpoint by {store.keep_best_metric} ({manifest.metrics[store.keep_best_metric]:.3g}"
+                    f", step {manifest.step}) kept at {best}")
+        if self.cb.warning:  # shown like a warning; recorded once, as the stopped event
+            self.cb.warning(stop.message + kept)
+        self.event("stopped", stop.message + kept, {**stop.to_json(), "best_checkpoint": best})
 
     def _end(self, status: str) -> None:
         """Whatever happened: stop the guard, close the sinks, record the status, end every role, unlock."""
         try:
             if self._guard is not None:
                 self._guard.close()
+            if self._dev_eval is not None:
+                self._dev_eval.close()
             for sink in self._sinks:
                 sink.close()
             if status != "failed":
@@ -310,10 +343,27 @@ class Run:
 
     def _on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         self.plugins.pm.hook.on_step_end(run_id=self.record.id, step=step, metrics=metrics)
+        if self._dev_eval is not None and self._dev_eval.due(step):
+            beat = self._guard.heartbeat if self._guard is not None else None
+            with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
+                dev = self._dev_eval.take(step)
+            if dev is not None:
+                metrics = {**metrics, **dev}
         if self.cb.step:
             self.cb.step(step, metrics)
         if self._guard is not None:
             self._guard.on_step_end(step, metrics)  # may raise NanRollback: the guard re-runs from a checkpoint
+        stop = self._stop_rules.observe(step, metrics) if self._stop_rules is not None else None
+        if stop is not None:
+            from rlctl.lifecycle.stop_rules import StopRun
+
+            raise StopRun(stop, metrics)
+
+    def _prepare_dev(self, steps_done: int, metrics: Mapping[str, float]) -> tuple[Mapping[str, float], bool]:
+        """The checkpointer's hook: the dev eval due at this step, in the watchdog's eval phase."""
+        beat = self._guard.heartbeat if self._guard is not None else None
+        with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
+            return self._dev_eval.prepare(steps_done, metrics)
 
     def _make_checkpointer(self, roles: "Roles") -> Any:
         from rlctl.engine.snapshot import Provenance, StepCheckpointer
@@ -338,8 +388,10 @@ class Run:
                 resumed_from: str | None) -> TrainResult:
         run_id = self.record.id
         wall = time.perf_counter() - self.started
-        self.event("finished", f"{config.train.steps - start_step} steps in {wall:.1f}s",
-                   {"wall_s": wall, "first_step": start_step})
+        end = self._stopped.stop.step + 1 if self._stopped is not None else config.train.steps
+        self.event("finished", f"{end - start_step} steps in {wall:.1f}s"
+                   + (" (stopped by a stop rule)" if self._stopped is not None else ""),
+                   {"wall_s": wall, "first_step": start_step, "last_step": end})
         result = TrainResult(run=self.registry.get_run(run_id), last_metrics=dict(last), wall_s=wall,
                              resumed_from=resumed_from, first_step=start_step)
         if config.eval.at_end:
@@ -364,8 +416,12 @@ def checkpoint_store(root: Path, config: RunConfig, registry: Registry, run_id: 
         registry.delete_checkpoint(run_id, manifest.step)
 
     c = config.checkpoint
-    return DiskCheckpointStore(root, keep_last=c.keep_last, keep_best_metric=c.keep_best_metric,
-                               keep_best_mode=c.keep_best_mode, async_save=c.async_save, on_commit=on_commit,
+    from rlctl.lifecycle.periodic_eval import best_checkpoint_metric
+
+    best = best_checkpoint_metric(config)  # a run a stop rule may end keeps its best dev checkpoint
+    mode = c.keep_best_mode if best == c.keep_best_metric else "max"
+    return DiskCheckpointStore(root, keep_last=c.keep_last, keep_best_metric=best,
+                               keep_best_mode=mode, async_save=c.async_save, on_commit=on_commit,
                                on_delete=on_delete, warn=warn)
 
 

@@ -173,7 +173,7 @@ def learner_context(config: RunConfig, estimator: AdvantageEstimator, policy_dir
     return LearnerContext(model_dir=str(policy_dir), algo=config.algo, optim=config.train.optim, seed=config.run.seed,
                           max_response_tokens=config.rollout.max_tokens, deterministic=config.train.deterministic,
                           device=config.train.device, policy_loss=policy_loss(config, estimator),
-                          rank_launcher=rank_launcher)
+                          rank_launcher=rank_launcher, micro_batch_tokens=config.train.micro_batch_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

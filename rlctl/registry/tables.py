@@ -116,6 +116,23 @@ class Eval(Base):
     created_at: Mapped[float]
 
 
+class ModelEval(Base):
+    """pass@k of a model directory evaluated without a run, keyed by its weights' hash."""
+
+    __tablename__ = "model_evals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_hash: Mapped[str] = mapped_column(String(128), index=True)
+    model_dir: Mapped[str] = mapped_column(Text)
+    split: Mapped[str] = mapped_column(String(32))
+    num_prompts: Mapped[int] = mapped_column(Integer)
+    num_samples: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float]
+    results: Mapped[dict[str, Any]]
+    details: Mapped[dict[str, Any]]
+    created_at: Mapped[float]
+
+
 class Ablation(Base):
     """One ablation: a matrix of config cells x seeds compared at an equal generated-token budget.
 

@@ -69,7 +69,7 @@ def test_scores_fraction_and_all(reward: CodeReward) -> None:
     assert half.total == pytest.approx(2 / 3) and half.log.startswith("failed 2/3")
     strict = CodeReward(CodeOptions(score="all", wall_s=5))
     assert strict.score(traj(HALF), TESTS).total == 0.0
-    assert strict.version.startswith("code@1.0+all+")
+    assert strict.version.startswith("code@1.1+all+")
 
 
 def test_timeout_fails_or_is_excluded_by_option(needs_sandbox) -> None:

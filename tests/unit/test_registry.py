@@ -25,7 +25,8 @@ from rlctl.registry import Registry, default_url, upgrade
 from rlctl.registry import db
 
 PG_BASE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-TABLES = {"runs", "metrics", "events", "checkpoints", "evals", "ablations", "ablation_runs", "alembic_version"}
+TABLES = {"runs", "metrics", "events", "checkpoints", "evals", "ablations", "ablation_runs", "model_evals",
+          "alembic_version"}
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
@@ -72,7 +73,7 @@ def test_migrate_from_empty_creates_every_table_at_head(url: str) -> None:
     try:
         assert TABLES <= set(sa.inspect(engine).get_table_names())
         with engine.connect() as conn:
-            assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar_one() == "0002"
+            assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar_one() == "0003"
     finally:
         engine.dispose()
 
