@@ -24,7 +24,7 @@ from rlctl.hooks import hookspecs, manager
 from rlctl.hooks.manager import KINDS, Plugins, load_plugins
 
 BUILTINS = {
-    "task_source": ["arith", "hf_disk", "jsonl", "parquet"],
+    "task_source": ["arith", "hf_disk", "humaneval", "jsonl", "parquet"],
     "rollout_backend": ["local", "sglang", "vllm"],
     "learner_backend": ["deepspeed", "fsdp2", "torch"],
     "critic_backend": ["torch"],
@@ -35,7 +35,7 @@ BUILTINS = {
               "verifier-error", "verifier-timeout", "weight-sync-failure", "worker-crash"],
 }
 BUILTIN_PLUGINS = {
-    "tasks": {"task source": ("arith", "hf_disk", "jsonl", "parquet")},
+    "tasks": {"task source": ("arith", "hf_disk", "humaneval", "jsonl", "parquet")},
     "rewards": {"reward function": ("code", "format", "length", "math", "reward_model")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
@@ -145,7 +145,7 @@ def test_builtins_build(tmp_path: Path) -> None:
     [
         ("rollout_backend", "loacl", "local", "local, sglang, vllm"),
         ("reward_function", "maht", "math", "code, format, length, math, reward_model"),
-        ("task_source", "jsnol", "jsonl", "arith, hf_disk, jsonl, parquet"),
+        ("task_source", "jsnol", "jsonl", "arith, hf_disk, humaneval, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "deepspeed, fsdp2, torch"),
     ],
 )
@@ -319,7 +319,7 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
     assert plugins.names("reward_function") == ["code", "format", "good", "length", "math", "reward_model"]
-    assert plugins.names("task_source") == ["arith", "hf_disk", "jsonl", "parquet"]
+    assert plugins.names("task_source") == ["arith", "hf_disk", "humaneval", "jsonl", "parquet"]
 
 
 def test_third_party_import_failure_names_the_plugin(third_party, monkeypatch) -> None:
