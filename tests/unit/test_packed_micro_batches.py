@@ -192,7 +192,7 @@ def test_a_deterministic_packed_ppo_run_with_a_critic_repeats_bit_for_bit(plugin
     last = rows1[max(rows1)]
     assert last["policy_version"] == 2.0 and "value_loss" in last and "kl_ref" in last
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
-    timing = ("time", "wall", "elapsed", "per_s", "_s", "throughput", "tokens_s")
+    timing = ("time", "wall", "elapsed", "per_s", "_s", "throughput", "tokens_s", "host_load", "cpu_frac")  # + machine load
     assert rows1.keys() == rows2.keys()
     for step in rows1:
         a, b = rows1[step], rows2[step]
