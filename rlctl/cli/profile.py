@@ -33,7 +33,7 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
         else:
             if overrides:
                 raise typer.BadParameter("overrides apply to a CONFIG, not to a stored run", param_hint="OVERRIDES")
-            report = profile_run(target, registry=reg, compare=placements, out=out)
+            report = profile_run(target, registry=reg, compare=placements, out=out, home=rlctl_home())
     if json_out:
         _output.print_json(report_json(report))
     else:
@@ -44,6 +44,7 @@ def report_json(report: Any) -> dict[str, Any]:
     return {"run_id": report.run_id, "source": report.source, "wall_s": report.wall_s,
             "stage_totals_s": report.stage_totals, "coverage": report.coverage, "tokens_per_s": report.tokens_per_s,
             "rollout_latency_s": report.latency, "chart": report.chart, "notes": list(report.notes),
+            "roofline": [_output.to_jsonable(r) for r in report.roofline],
             "steps": [dict(_output.to_jsonable(s), stage_sum_s=s.stage_sum) for s in report.steps],
             "placements": [_output.to_jsonable(p) for p in report.placements]}
 
@@ -70,6 +71,13 @@ def render(report: Any) -> None:
     for p in report.placements:
         if p.note:
             con.print(f"{p.placement} {p.mode}: {p.note}")
+    if report.roofline:
+        con.print(_output.table("roofline (useful FLOPs / stage time / this machine's torch GEMM FLOP/s)",
+                                ["stage", "% roofline", "padding waste", "real tokens", "computed tokens",
+                                 "useful GFLOP", "stage s"],
+                                [(r.stage, f"{r.roofline_frac:.1%}", f"{r.padding_waste:.1%}", f"{r.real_tokens:,.0f}",
+                                  f"{r.computed_tokens:,.0f}", f"{r.useful_flops / 1e9:.3f}", f"{r.seconds:.4f}")
+                                 for r in report.roofline]))
     tps = ", ".join(f"{k} {v:,.0f}" for k, v in report.tokens_per_s.items())
     lat = report.latency
     con.print(f"tokens/s: {tps}")

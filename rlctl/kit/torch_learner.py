@@ -101,6 +101,7 @@ class TorchLearner:
             use_segment_attention(self.model)
             use_segment_attention(self.reference)
         self.oom_recoveries = 0
+        self._tokens = [0.0, 0.0, 0.0]  # since the last train step: computed, real, FLOP-weighted real (rlctl profile)
 
     def _build_optimizer(self) -> None:
         """AdamW over the trained tensors and its linear-warmup LR schedule (again after a sharder swaps them)."""
@@ -129,6 +130,7 @@ class TorchLearner:
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
         """Per-token log-probs (and entropy); packed, or with prompts shared by several rows prefilled once."""
         batch = batch.to(self.device)
+        self._count_tokens(batch)
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.micro_batch_tokens is not None:
                 return packed_logprobs(model, batch, with_entropy, self.options.share_prompt_prefill)
@@ -137,6 +139,16 @@ class TorchLearner:
                 if shared is not None:
                     return shared
             return self._logprobs(model, batch, with_entropy)
+
+    def _count_tokens(self, batch: TrainBatch) -> None:
+        """Tokens a forward computes (padding included; none when packed) and real ones; a forward with grad is
+        followed by its backward, so it weighs 3 forwards in the FLOP count. Prompt-prefill sharing is not
+        subtracted (it counts as the padded forward)."""
+        real = float(batch.attention_mask.sum())
+        computed = real if self.micro_batch_tokens is not None else float(batch.attention_mask.numel())
+        self._tokens[0] += computed
+        self._tokens[1] += real
+        self._tokens[2] += real * (3.0 if torch.is_grad_enabled() else 1.0)
 
     def _micro_batches(self, batch: TrainBatch):
         """Consecutive slices of ``batch``: ``micro_batch_size`` rows, or packed under ``micro_batch_tokens``."""
@@ -225,6 +237,12 @@ class TorchLearner:
         out["nan_inf_skipped_steps"] = float(self.nan_skips)
         out["oom_recoveries"] = float(self.oom_recoveries)
         out["micro_batch_size"] = float(self.micro_batch_size)
+        computed, real, weighted = self._tokens  # over every forward since the last step
+        self._tokens = [0.0, 0.0, 0.0]
+        waste = 1.0 - real / computed if computed else 0.0
+        tokens = float(batch.attention_mask.sum())  # the batch's real tokens, once
+        out.update(learner_real_tokens=tokens, learner_computed_tokens=tokens / (1.0 - waste) if waste < 1 else 0.0,
+                   learner_flop_tokens=weighted, learner_padding_waste=waste)
         return out, before
 
     def scale_lr(self, factor: float) -> float:
