@@ -72,7 +72,8 @@ def render(report: Any) -> None:
         if p.note:
             con.print(f"{p.placement} {p.mode}: {p.note}")
     if report.roofline:
-        con.print(_output.table("roofline (useful FLOPs / stage time / this machine's torch GEMM FLOP/s)",
+        con.print(_output.table("roofline (useful FLOPs / stage time / this machine's torch GEMM FLOP/s; the "
+                                "learner's tokens are summed over its forwards)",
                                 ["stage", "% roofline", "padding waste", "real tokens", "computed tokens",
                                  "useful GFLOP", "stage s"],
                                 [(r.stage, f"{r.roofline_frac:.1%}", f"{r.padding_waste:.1%}", f"{r.real_tokens:,.0f}",
