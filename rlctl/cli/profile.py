@@ -1,4 +1,5 @@
-"""``rlctl profile CONFIG|RUN``: stage times, critical path, utilisation, tokens/s, latency, and a timeline chart."""
+"""``rlctl profile CONFIG|RUN``: stage times, critical path, utilisation, tokens/s, latency, % of roofline, padding
+waste, and a timeline chart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
             out: Optional[Path] = typer.Option(None, "--out", help="Chart path (.png) or directory "
                                                "(default: the run directory)."),
             registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Where a step's time goes: T_r, T_v, T_l, T_s against measured wall time; split placement as an estimate."""
+    """Where a step's time goes: T_r, T_v, T_l, T_s against measured wall time; split placement as an estimate;
+    rollout and learner as % of this machine's GEMM roofline, and their padding waste."""
     from rlctl.planning.profile import PROFILE_DEFAULTS, profile_config, profile_run
 
     placements = [p.strip() for p in (compare or "").split(",") if p.strip()]

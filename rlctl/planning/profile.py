@@ -9,7 +9,9 @@ T_v reward, T_l learner incl. batch building and advantages, T_s weight sync),
 the measured wall time of each step and what the stages leave uncovered
 ("other": metric logging, checkpoints), the critical path, pipeline
 utilisation U_pipe = device-busy time (T_r + T_l) / (devices x wall),
-generated / learned / effective tokens/s, and rollout latency P50/P95/P99.
+generated / learned / effective tokens/s, rollout latency P50/P95/P99, and
+for rollout and learner the % of this machine's GEMM roofline and the padding
+waste (``rlctl.planning.roofline``, from the token counts every step logs).
 
 Placements: the run itself is measured on its placement (one process:
 colocated). ``compare`` adds a disaggregated ``split`` placement as an
