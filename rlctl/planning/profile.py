@@ -192,11 +192,11 @@ def stage_roofline(registry: Any, run_id: str, config: Any, home: Path) -> tuple
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
     for point in registry.metrics(run_id, names=[*rl.ROLLOUT_METRICS, *rl.LEARNER_METRICS, "T_r", "T_l"]):
         by_step[point.step][point.name] = point.value
+    if not rl.roofline_rows(rl.PROBE_SHAPE, list(by_step.values()), 1.0):  # nothing to measure the GEMM for
+        return (), "no roofline: the run logged no token counts (trained by an older rlctl, or not the torch learner)"
     shape = rl.run_shape(config, home)
     peak = rl.peak_flops(home, rl.run_dtype(config))
     rows = tuple(rl.roofline_rows(shape, [by_step[k] for k in sorted(by_step)], peak.flops_per_s))
-    if not rows:
-        return (), "no roofline: the run logged no token counts (trained by an older rlctl, or not the torch learner)"
     how = "read from" if peak.cached else "measured now, cached in"
     return rows, (f"roofline: torch GEMM {peak.flops_per_s / 1e9:.2f} GFLOP/s ({how} {peak.path}; key {peak.key}); "
                   f"model {shape.name}: {shape.flops_per_token:,.0f} forward FLOPs/token from the weights + "
