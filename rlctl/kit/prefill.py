@@ -90,3 +90,11 @@ def shared_token_counts(batch: TrainBatch) -> tuple[float, float]:
     plen, width_r = max(len(p) for p in prompts), max(resp)
     needed = sum(len(p) for p in prompts) + sum(r - 1 for r in resp)
     return float(needed), float(len(prompts) * plen + len(resp) * (width_r - 1))
+
+
+def distinct_prompt_tokens(batch: TrainBatch) -> float:
+    """Tokens of ``batch`` with each distinct prompt counted once (a packed row with shared prompts)."""
+    act, mask, ids = batch.action_mask, batch.attention_mask, batch.input_ids
+    starts = (act > 0).to(torch.int8).argmax(-1).tolist()  # [n]
+    prompts = {tuple(ids[i, :s].tolist()) for i, s in enumerate(starts)}
+    return float(sum(len(p) for p in prompts) + int(mask.sum()) - sum(starts))

@@ -53,7 +53,7 @@ from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
 from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths, use_segment_attention
-from rlctl.kit.prefill import prefix_shared_logprobs, shared_token_counts
+from rlctl.kit.prefill import distinct_prompt_tokens, prefix_shared_logprobs, shared_token_counts
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
@@ -133,7 +133,9 @@ class TorchLearner:
         real = float(batch.attention_mask.sum())
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.micro_batch_tokens is not None:
-                self._count_tokens(real, real)
+                shared = self.options.share_prompt_prefill and bool((batch.action_mask.sum(-1) > 0).all())
+                needed = distinct_prompt_tokens(batch) if shared else real
+                self._count_tokens(needed, needed)
                 return packed_logprobs(model, batch, with_entropy, self.options.share_prompt_prefill)
             if self.options.share_prompt_prefill:
                 shared = prefix_shared_logprobs(model, batch, with_entropy)

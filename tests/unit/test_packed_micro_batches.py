@@ -272,3 +272,6 @@ def test_learner_token_counts_for_rlctl_profile(session, plugins, batch):
     assert shared["learner_real_tokens"] < float(mask.sum())  # the G copies of a prompt forward once
     assert shared["learner_computed_tokens"] < padded["learner_computed_tokens"]
     assert 0 <= shared["learner_padding_waste"] < 1
+    packed_shared = step(make(session, plugins, tokens=10_000, share=True), batch)[0]
+    assert packed_shared["learner_padding_waste"] == 0.0
+    assert packed_shared["learner_real_tokens"] < packed["learner_real_tokens"]  # a shared prompt forwards once
