@@ -10,8 +10,10 @@ response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
 nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
-logprob_mismatch_mean/max, policy_version, rollout_sequences, rollout_prompt/real/computed/prefill_tokens,
-rollout_padding_waste (and the learner's learner_real/computed/flop_tokens, learner_padding_waste); and in every mode the overlap and
+logprob_mismatch_mean/max, policy_version, rollout_sequences,
+rollout_prompt/real/computed/prefill_tokens, rollout_padding_waste (the torch
+learner adds learner_real/computed/flop_tokens, learner_padding_waste); and
+in every mode the overlap and
 driver names (``overlap_metrics``, ``DRIVER_METRICS``), 0 where a mode has
 no such thing (a synchronous run has no queue).
 """

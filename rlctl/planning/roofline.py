@@ -29,7 +29,8 @@ from rlctl.planning.shapes import ModelShape
 
 CACHE_FILE = "roofline.json"
 LEARNER_PASS = 3.0  # forward + backward ~ 3 forwards
-ROLLOUT_METRICS = ("rollout_sequences", "rollout_prompt_tokens", "rollout_real_tokens", "rollout_computed_tokens", "rollout_prefill_tokens", "rollout_padding_waste")
+ROLLOUT_METRICS = ("rollout_sequences", "rollout_prompt_tokens", "rollout_real_tokens", "rollout_computed_tokens",
+                   "rollout_prefill_tokens", "rollout_padding_waste")
 PROBE_SHAPE = ModelShape(name="probe", num_layers=1, hidden_size=1, intermediate_size=1, num_heads=1, num_kv_heads=1,
                          head_dim=1, vocab_size=1, tie_embeddings=True)  # to ask roofline_rows whether rows exist
 LEARNER_METRICS = ("learner_real_tokens", "learner_computed_tokens", "learner_flop_tokens", "learner_padding_waste")

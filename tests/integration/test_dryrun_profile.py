@@ -144,7 +144,8 @@ def test_profile_config_then_run(home, tmp_path):
 def test_profile_packed_learner_wastes_less_than_padded(home):
     """Packed micro-batches (train.micro_batch_tokens) forward no padding: the learner's waste is 0."""
     padded, packed = (json.loads(rlctl("profile", "configs/quickstart.yaml", *TINY_OVERRIDES, *extra, "--json",
-                                       home=home, check=True).stdout) for extra in ([], ["train.micro_batch_tokens=256"]))
+                                       home=home, check=True).stdout)
+                      for extra in ([], ["train.micro_batch_tokens=256"]))
     waste = lambda out: {r["stage"]: r["padding_waste"] for r in out["roofline"]}["learner"]  # noqa: E731
     assert waste(packed) == 0.0 < waste(padded) < 1
 

@@ -24,7 +24,8 @@ def test_flops_per_token_of_the_builtin_llama_by_hand():
     assert weights == 2 * (4 * (16384 + 8192 + 8192 + 16384 + 147456) + 12672) == 1_598_208
     context = 10  # each token: q.k over 10 keys (2 x 10 x 128) and the weighted sum of 10 values (same)
     attention = layers * (2 * context * h + 2 * context * h)
-    assert rl.forward_flops_per_token(shape, 0) == pytest.approx(weights + 2 * layers * 2 * h)  # + 2 RMSNorm weights a layer
+    norms = 2 * layers * 2 * h  # shapes.flops_per_token also counts the 2 RMSNorm weights of a layer (+0.13%)
+    assert rl.forward_flops_per_token(shape, 0) == pytest.approx(weights + norms)
     assert rl.forward_flops_per_token(shape, context) - rl.forward_flops_per_token(shape, 0) == attention
 
 
