@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlctl.contracts.errors import ConfigError, RegistryError
+from rlctl.contracts.errors import ConfigError, ModelError, RegistryError
 
 STAGES = ("T_r", "T_v", "T_l", "T_s")
 WALL_METRIC = "profile/step_wall_s"  # written by profile_config so `rlctl profile RUN` can show coverage later
@@ -144,6 +144,9 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
     steps = read_steps(registry, run_id, through_queue)
     roofline, roof_note = stage_roofline(registry, run_id, config, home) if home is not None else ((), "")
     notes = [roof_note] if roof_note else []
+    if roofline and through_queue:
+        notes.append("overlapped run: the rollout row's % roofline divides by T_r, the learner's wait, not generation "
+                      "time; read its padding waste only")
     if any(s.wall_s is None for s in steps):
         notes.append("per-step wall time was not recorded for this run (only `rlctl profile CONFIG` records it); "
                      "the stage sum stands in for the wall time and 'other' is unknown")
@@ -194,7 +197,10 @@ def stage_roofline(registry: Any, run_id: str, config: Any, home: Path) -> tuple
         by_step[point.step][point.name] = point.value
     if not rl.roofline_rows(rl.PROBE_SHAPE, list(by_step.values()), 1.0):  # nothing to measure the GEMM for
         return (), "no roofline: the run logged no token counts (trained by an older rlctl, or not the torch learner)"
-    shape = rl.run_shape(config, home)
+    try:
+        shape = rl.run_shape(config, home)
+    except (ConfigError, ModelError, OSError) as err:  # a stored run whose model directory is gone
+        return (), f"no roofline: the run's model shape cannot be read ({err})"
     peak = rl.peak_flops(home, rl.run_dtype(config))
     rows = tuple(rl.roofline_rows(shape, [by_step[k] for k in sorted(by_step)], peak.flops_per_s))
     how = "read from" if peak.cached else "measured now, cached in"

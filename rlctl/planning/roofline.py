@@ -116,7 +116,6 @@ class StageRoofline:
     padding_waste: float  # computed-but-discarded tokens / computed tokens
     real_tokens: float
     computed_tokens: float
-    note: str = ""
 
 
 def roofline_rows(shape: ModelShape, per_step: Sequence[Mapping[str, float]], peak: float) -> list[StageRoofline]:
