@@ -1,4 +1,5 @@
-"""``rlctl profile CONFIG|RUN``: stage times, critical path, utilisation, tokens/s, latency, and a timeline chart."""
+"""``rlctl profile CONFIG|RUN``: stage times, critical path, utilisation, tokens/s, latency, % of roofline, padding
+waste, and a timeline chart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
             out: Optional[Path] = typer.Option(None, "--out", help="Chart path (.png) or directory "
                                                "(default: the run directory)."),
             registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Where a step's time goes: T_r, T_v, T_l, T_s against measured wall time; split placement as an estimate."""
+    """Where a step's time goes: T_r, T_v, T_l, T_s against measured wall time; split placement as an estimate;
+    rollout and learner as % of this machine's GEMM roofline, and their padding waste."""
     from rlctl.planning.profile import PROFILE_DEFAULTS, profile_config, profile_run
 
     placements = [p.strip() for p in (compare or "").split(",") if p.strip()]
@@ -33,7 +35,7 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
         else:
             if overrides:
                 raise typer.BadParameter("overrides apply to a CONFIG, not to a stored run", param_hint="OVERRIDES")
-            report = profile_run(target, registry=reg, compare=placements, out=out)
+            report = profile_run(target, registry=reg, compare=placements, out=out, home=rlctl_home())
     if json_out:
         _output.print_json(report_json(report))
     else:
@@ -44,6 +46,7 @@ def report_json(report: Any) -> dict[str, Any]:
     return {"run_id": report.run_id, "source": report.source, "wall_s": report.wall_s,
             "stage_totals_s": report.stage_totals, "coverage": report.coverage, "tokens_per_s": report.tokens_per_s,
             "rollout_latency_s": report.latency, "chart": report.chart, "notes": list(report.notes),
+            "roofline": [_output.to_jsonable(r) for r in report.roofline],
             "steps": [dict(_output.to_jsonable(s), stage_sum_s=s.stage_sum) for s in report.steps],
             "placements": [_output.to_jsonable(p) for p in report.placements]}
 
@@ -70,6 +73,14 @@ def render(report: Any) -> None:
     for p in report.placements:
         if p.note:
             con.print(f"{p.placement} {p.mode}: {p.note}")
+    if report.roofline:
+        con.print(_output.table("roofline (useful FLOPs / stage time / this machine's torch GEMM FLOP/s; the "
+                                "learner's tokens are summed over its forwards)",
+                                ["stage", "% roofline", "padding waste", "real tokens", "computed tokens",
+                                 "useful GFLOP", "stage s"],
+                                [(r.stage, f"{r.roofline_frac:.1%}", f"{r.padding_waste:.1%}", f"{r.real_tokens:,.0f}",
+                                  f"{r.computed_tokens:,.0f}", f"{r.useful_flops / 1e9:.3f}", f"{r.seconds:.4f}")
+                                 for r in report.roofline]))
     tps = ", ".join(f"{k} {v:,.0f}" for k, v in report.tokens_per_s.items())
     lat = report.latency
     con.print(f"tokens/s: {tps}")

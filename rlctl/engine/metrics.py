@@ -10,7 +10,10 @@ response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
 nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
-logprob_mismatch_mean/max, policy_version; and in every mode the overlap and
+logprob_mismatch_mean/max, policy_version, rollout_sequences,
+rollout_prompt/real/computed/prefill_tokens, rollout_padding_waste (the torch
+learner adds learner_real/computed/flop_tokens, learner_padding_waste); and
+in every mode the overlap and
 driver names (``overlap_metrics``, ``DRIVER_METRICS``), 0 where a mode has
 no such thing (a synchronous run has no queue).
 """
@@ -64,10 +67,28 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         out[f"reward/{name}"] = _mean([t.reward_components.get(name, 0.0) for t in ok])
     for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
         out[f"verifier_latency_{label}_s"] = _quantile(verify_latencies, q)
+    out.update(rollout_tokens([*scored, *dropped]))
     out.update({k: float(v) for k, v in times.items()})
     out.update({k: float(v) for k, v in adv_stats.items()})
     out.update({k: float(v) for k, v in learner_stats.items()})
     return out
+
+
+def rollout_tokens(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What generating ``trajectories`` computed (``rlctl profile``'s roofline and padding waste).
+
+    A batched decode runs every row until the longest response ends, so it computes about rows x longest
+    response tokens for the real (generated) ones: an upper bound where an engine compacts finished rows
+    (the local engine does once a quarter of the batch has finished). Prefill: each distinct prompt once.
+    """
+    real = sum(t.num_response_tokens for t in trajectories)
+    computed = len(trajectories) * max((t.num_response_tokens for t in trajectories), default=0)
+    prompts = {t.prompt_id: len(t.prompt_tokens) for t in trajectories}
+    return {"rollout_sequences": float(len(trajectories)),
+            "rollout_prompt_tokens": float(sum(len(t.prompt_tokens) for t in trajectories)),
+            "rollout_real_tokens": float(real), "rollout_computed_tokens": float(computed),
+            "rollout_prefill_tokens": float(sum(prompts.values())),
+            "rollout_padding_waste": 1.0 - real / computed if computed else 0.0}
 
 
 def _mean(values: Sequence[float]) -> float:

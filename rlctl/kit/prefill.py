@@ -76,3 +76,25 @@ def prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
             ent = torch.where(valid, entropy_from_logits(shaped), 0.0)  # [n, R]
             entropy = torch.zeros((n, width + width_r), dtype=ent.dtype).scatter(1, place, ent)[:, :width]
     return logp, entropy
+
+
+def shared_token_counts(batch: TrainBatch) -> tuple[float, float]:
+    """(needed, computed) tokens of ``prefix_shared_logprobs`` on ``batch``: each distinct prompt once plus every
+    response token but the last; computed adds the padding of the prompts to the longest and of the responses
+    to the longest (``rlctl profile``'s padding waste)."""
+    act, mask, ids = batch.action_mask, batch.attention_mask, batch.input_ids
+    starts = (act > 0).to(torch.int8).argmax(-1).tolist()  # [n]
+    ends = mask.sum(-1).tolist()
+    prompts = {tuple(ids[i, :s].tolist()) for i, s in enumerate(starts)}
+    resp = [e - s for s, e in zip(starts, ends)]
+    plen, width_r = max(len(p) for p in prompts), max(resp)
+    needed = sum(len(p) for p in prompts) + sum(r - 1 for r in resp)
+    return float(needed), float(len(prompts) * plen + len(resp) * (width_r - 1))
+
+
+def distinct_prompt_tokens(batch: TrainBatch) -> float:
+    """Tokens of ``batch`` with each distinct prompt counted once (a packed row with shared prompts)."""
+    act, mask, ids = batch.action_mask, batch.attention_mask, batch.input_ids
+    starts = (act > 0).to(torch.int8).argmax(-1).tolist()  # [n]
+    prompts = {tuple(ids[i, :s].tolist()) for i, s in enumerate(starts)}
+    return float(sum(len(p) for p in prompts) + int(mask.sum()) - sum(starts))

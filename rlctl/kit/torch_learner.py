@@ -53,7 +53,7 @@ from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
 from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths, use_segment_attention
-from rlctl.kit.prefill import prefix_shared_logprobs
+from rlctl.kit.prefill import distinct_prompt_tokens, prefix_shared_logprobs, shared_token_counts
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
 from rlctl.models.fingerprint import fingerprint
@@ -101,6 +101,7 @@ class TorchLearner:
             use_segment_attention(self.model)
             use_segment_attention(self.reference)
         self.oom_recoveries = 0
+        self._tokens = [0.0, 0.0, 0.0]  # since the last train step: computed, real, FLOP-weighted real (rlctl profile)
 
     def _build_optimizer(self) -> None:
         """AdamW over the trained tensors and its linear-warmup LR schedule (again after a sharder swaps them)."""
@@ -129,14 +130,28 @@ class TorchLearner:
     def _forward(self, model: Any, batch: TrainBatch, with_entropy: bool = False):
         """Per-token log-probs (and entropy); packed, or with prompts shared by several rows prefilled once."""
         batch = batch.to(self.device)
+        real = float(batch.attention_mask.sum())
         with placed(self.device):  # tensors built during the forward (positions, masks) land beside the model
             if self.micro_batch_tokens is not None:
+                shared = self.options.share_prompt_prefill and bool((batch.action_mask.sum(-1) > 0).all())
+                needed = distinct_prompt_tokens(batch) if shared else real
+                self._count_tokens(needed, needed)
                 return packed_logprobs(model, batch, with_entropy, self.options.share_prompt_prefill)
             if self.options.share_prompt_prefill:
                 shared = prefix_shared_logprobs(model, batch, with_entropy)
                 if shared is not None:
+                    self._count_tokens(*shared_token_counts(batch))
                     return shared
+            self._count_tokens(real, float(batch.attention_mask.numel()))
             return self._logprobs(model, batch, with_entropy)
+
+    def _count_tokens(self, needed: float, computed: float) -> None:
+        """Tokens a forward needed (real ones; a shared prompt once) and computed (padding included; none when
+        packed, where a shared prompt still counts once per row); a forward with grad is followed by its
+        backward, so it weighs 3 forwards in the FLOP count (``rlctl profile``)."""
+        self._tokens[0] += computed
+        self._tokens[1] += needed
+        self._tokens[2] += needed * (3.0 if torch.is_grad_enabled() else 1.0)
 
     def _micro_batches(self, batch: TrainBatch):
         """Consecutive slices of ``batch``: ``micro_batch_size`` rows, or packed under ``micro_batch_tokens``."""
@@ -225,6 +240,10 @@ class TorchLearner:
         out["nan_inf_skipped_steps"] = float(self.nan_skips)
         out["oom_recoveries"] = float(self.oom_recoveries)
         out["micro_batch_size"] = float(self.micro_batch_size)
+        computed, real, weighted = self._tokens  # summed over every forward since the last step
+        self._tokens = [0.0, 0.0, 0.0]
+        out.update(learner_real_tokens=real, learner_computed_tokens=computed, learner_flop_tokens=weighted,
+                   learner_padding_waste=1.0 - real / computed if computed else 0.0)
         return out, before
 
     def scale_lr(self, factor: float) -> float:

@@ -9,7 +9,9 @@ T_v reward, T_l learner incl. batch building and advantages, T_s weight sync),
 the measured wall time of each step and what the stages leave uncovered
 ("other": metric logging, checkpoints), the critical path, pipeline
 utilisation U_pipe = device-busy time (T_r + T_l) / (devices x wall),
-generated / learned / effective tokens/s, and rollout latency P50/P95/P99.
+generated / learned / effective tokens/s, rollout latency P50/P95/P99, and
+for rollout and learner the % of this machine's GEMM roofline and the padding
+waste (``rlctl.planning.roofline``, from the token counts every step logs).
 
 Placements: the run itself is measured on its placement (one process:
 colocated). ``compare`` adds a disaggregated ``split`` placement as an
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlctl.contracts.errors import ConfigError, RegistryError
+from rlctl.contracts.errors import ConfigError, ModelError, RegistryError
 
 STAGES = ("T_r", "T_v", "T_l", "T_s")
 WALL_METRIC = "profile/step_wall_s"  # written by profile_config so `rlctl profile RUN` can show coverage later
@@ -78,6 +80,7 @@ class ProfileReport:
     latency: dict[str, float]
     chart: str | None = None
     notes: tuple[str, ...] = field(default=())
+    roofline: tuple[Any, ...] = field(default=())  # rlctl.planning.roofline.StageRoofline: rollout, learner
 
     @property
     def stage_totals(self) -> dict[str, float]:
@@ -119,22 +122,31 @@ def profile_config(config: Any, *, registry: Any, plugins: Any, home: Path, comp
     for i, wall in enumerate(walls):
         registry.log_metrics(result.run.id, first + i, {WALL_METRIC: wall})
     source = f"measured: {len(walls)} steps of {config.run.name!r} trained now (run {result.run.id})"
-    return build_report(result.run.id, source, registry, compare, out or Path(result.run.run_dir))
+    return build_report(result.run.id, source, registry, compare, out or Path(result.run.run_dir), home)
 
 
-def profile_run(run: str, *, registry: Any, compare: Sequence[str] = (), out: Path | None = None) -> ProfileReport:
+def profile_run(run: str, *, registry: Any, compare: Sequence[str] = (), out: Path | None = None,
+                home: Path | None = None) -> ProfileReport:
     record = registry.get_run(run)
     source = f"registry metrics of run {record.id} ({record.status})"
-    return build_report(record.id, source, registry, compare, out or (Path(record.run_dir) if record.run_dir else None))
+    run_dir = Path(record.run_dir) if record.run_dir else None
+    return build_report(record.id, source, registry, compare, out or run_dir, home or run_dir)
 
 
-def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str], out: Path | None) -> ProfileReport:
+def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str], out: Path | None,
+                 home: Path | None = None) -> ProfileReport:
+    """``home``: where the roofline's GEMM measurement is cached (RLCTL_HOME; else no roofline)."""
     from rlctl.config.models import RunConfig
     from rlctl.engine.spec import overlapped
 
-    through_queue = overlapped(RunConfig.model_validate(registry.get_run(run_id).config))
+    config = RunConfig.model_validate(registry.get_run(run_id).config)
+    through_queue = overlapped(config)
     steps = read_steps(registry, run_id, through_queue)
-    notes = []
+    roofline, roof_note = stage_roofline(registry, run_id, config, home) if home is not None else ((), "")
+    notes = [roof_note] if roof_note else []
+    if roofline and through_queue:
+        notes.append("overlapped run: the rollout row's % roofline divides by T_r, the learner's wait, not generation "
+                      "time; read its padding waste only")
     if any(s.wall_s is None for s in steps):
         notes.append("per-step wall time was not recorded for this run (only `rlctl profile CONFIG` records it); "
                      "the stage sum stands in for the wall time and 'other' is unknown")
@@ -149,7 +161,7 @@ def build_report(run_id: str, source: str, registry: Any, compare: Sequence[str]
             raise ConfigError(f"--compare takes colocate and split[:R+L], got {name!r}",
                               "e.g. --compare colocate,split")
     report = ProfileReport(run_id=run_id, source=source, steps=tuple(steps), placements=tuple(placements),
-                           latency=latency(steps), notes=tuple(notes))
+                           latency=latency(steps), notes=tuple(notes), roofline=roofline)
     if out is not None:
         path = save_chart(report, out if out.suffix == ".png" else out / "profile.png")
         report = replace(report, chart=str(path))
@@ -174,6 +186,28 @@ def read_steps(registry: Any, run_id: str, through_queue: bool) -> list[StepTime
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
                       effective_tokens=m.get("effective_tokens_per_s", 0.0) * per[step],
                       overlap={k: m[k] for k in OVERLAP_METRICS if k in m}) for step, m in rows]
+
+
+def stage_roofline(registry: Any, run_id: str, config: Any, home: Path) -> tuple[tuple[Any, ...], str]:
+    """% of this machine's GEMM roofline and padding waste of rollout and learner, and a note on the inputs."""
+    from rlctl.planning import roofline as rl
+
+    by_step: dict[int, dict[str, float]] = defaultdict(dict)
+    for point in registry.metrics(run_id, names=[*rl.ROLLOUT_METRICS, *rl.LEARNER_METRICS, "T_r", "T_l"]):
+        by_step[point.step][point.name] = point.value
+    if not rl.roofline_rows(rl.PROBE_SHAPE, list(by_step.values()), 1.0):  # nothing to measure the GEMM for
+        return (), "no roofline: the run logged no token counts (trained by an older rlctl, or not the torch learner)"
+    try:
+        shape = rl.run_shape(config, home)
+    except (ConfigError, ModelError, OSError) as err:  # a stored run whose model directory is gone
+        return (), f"no roofline: the run's model shape cannot be read ({err})"
+    peak = rl.peak_flops(home, rl.run_dtype(config))
+    rows = tuple(rl.roofline_rows(shape, [by_step[k] for k in sorted(by_step)], peak.flops_per_s))
+    how = "read from" if peak.cached else "measured now, cached in"
+    return rows, (f"roofline: torch GEMM {peak.flops_per_s / 1e9:.2f} GFLOP/s ({how} {peak.path}; key {peak.key}); "
+                  f"model {shape.name}: {shape.flops_per_token:,.0f} forward FLOPs/token from the weights + "
+                  "attention; the learner's forward+backward counts 3 forwards; % = useful FLOPs (real tokens) / "
+                  "stage time / GEMM FLOP/s; rollout waste is an upper bound (rows x longest response)")
 
 
 def _mean_stages(steps: Sequence[StepTimes]) -> dict[str, float]:

@@ -123,12 +123,31 @@ def test_profile_config_then_run(home, tmp_path):
     assert kinds == {("colocate", "sync", True), ("split:1+1", "sync", False), ("split:1+1", "one-step-off", False)}
     assert set(out["rollout_latency_s"]) == {"p50_s", "p95_s", "p99_s"}
     assert out["tokens_per_s"]["generated (per T_r)"] > 0
+    roof = {r["stage"]: r for r in out["roofline"]}
+    assert set(roof) == {"rollout", "learner"}
+    for r in roof.values():  # the roofline is torch's own GEMM on this machine: a stage cannot beat it by much
+        assert 0 < r["roofline_frac"] <= 1.5 and 0 <= r["padding_waste"] < 1, r
+        assert 0 < r["real_tokens"] <= r["computed_tokens"], r
+    assert roof["learner"]["padding_waste"] > 0  # padded micro-batches: the batch's longest sequence sets the width
+    assert any("roofline:" in n and "cached in" in n for n in out["notes"])
 
     again = json.loads(rlctl("profile", out["run_id"], "--json", home=home, check=True).stdout)
     assert again["stage_totals_s"] == pytest.approx(out["stage_totals_s"])
     assert again["wall_s"] == pytest.approx(out["wall_s"])
+    assert again["roofline"][1]["padding_waste"] == pytest.approx(roof["learner"]["padding_waste"])
+    assert any("roofline:" in n and "read from" in n for n in again["notes"])  # the GEMM measurement is reused
     table = rlctl("profile", out["run_id"], "--compare", "split:2+1", home=home, check=True).stdout
     assert "ESTIMATE" in table and "stages cover" in table
+    assert "% roofline" in table and "padding waste" in table
+
+
+def test_profile_packed_learner_wastes_less_than_padded(home):
+    """Packed micro-batches (train.micro_batch_tokens) forward no padding: the learner's waste is 0."""
+    padded, packed = (json.loads(rlctl("profile", "configs/quickstart.yaml", *TINY_OVERRIDES, *extra, "--json",
+                                       home=home, check=True).stdout)
+                      for extra in ([], ["train.micro_batch_tokens=256"]))
+    waste = lambda out: {r["stage"]: r["padding_waste"] for r in out["roofline"]}["learner"]  # noqa: E731
+    assert waste(packed) == 0.0 < waste(padded) < 1
 
 
 def test_profile_unknown_run_is_one_line_error(home):

@@ -255,3 +255,23 @@ def test_an_out_of_memory_halves_the_token_budget_and_the_step_is_the_same(sessi
     assert packed._counters()["micro_batch_tokens"] == 22
     for name in g1:
         close(g1[name], g2[name], name)
+
+
+def test_learner_token_counts_for_rlctl_profile(session, plugins, batch):
+    """Padded micro-batches compute the batch's width for every row, shared-prompt prefill each distinct prompt
+    once and responses to the longest, packed ones only real tokens; one forward + backward weighs 3."""
+    mask = batch.attention_mask
+    padded = step(make(session, plugins, size=8), batch)[0]
+    assert padded["learner_real_tokens"] == float(mask.sum()) and padded["learner_computed_tokens"] == mask.numel()
+    assert padded["learner_flop_tokens"] == 3 * float(mask.sum())
+    assert padded["learner_padding_waste"] == pytest.approx(1 - float(mask.sum()) / mask.numel())
+    assert 0 < padded["learner_padding_waste"] < 1
+    packed = step(make(session, plugins, tokens=10_000), batch)[0]
+    assert packed["learner_padding_waste"] == 0.0 and packed["learner_real_tokens"] == float(mask.sum())
+    shared = step(make(session, plugins, size=8, share=True), batch)[0]
+    assert shared["learner_real_tokens"] < float(mask.sum())  # the G copies of a prompt forward once
+    assert shared["learner_computed_tokens"] < padded["learner_computed_tokens"]
+    assert 0 <= shared["learner_padding_waste"] < 1
+    packed_shared = step(make(session, plugins, tokens=10_000, share=True), batch)[0]
+    assert packed_shared["learner_padding_waste"] == 0.0
+    assert packed_shared["learner_real_tokens"] < packed["learner_real_tokens"]  # a shared prompt forwards once

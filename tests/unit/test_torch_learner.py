@@ -183,7 +183,10 @@ def test_train_step_with_logprobs_returns_the_pre_update_pass_and_the_same_updat
     got_stats, got = capturing.train_step_with_logprobs(batch)
     assert got.shape == want.shape and got.device.type == "cpu"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert got_stats == stats and capturing.policy_version == plain.policy_version == 1
+    # the token counts (rlctl profile) differ by design: plain's extra logprobs pass above is counted in its step
+    counts = ("learner_real_tokens", "learner_computed_tokens", "learner_flop_tokens", "learner_padding_waste")
+    drop = lambda s: {k: v for k, v in s.items() if k not in counts}  # noqa: E731
+    assert drop(got_stats) == drop(stats) and capturing.policy_version == plain.policy_version == 1
     p1, p2 = params(plain), params(capturing)
     for name in p1:
         torch.testing.assert_close(p2[name], p1[name], rtol=0, atol=0, msg=name)
