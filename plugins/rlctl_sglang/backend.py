@@ -50,7 +50,6 @@ What this is not: a launcher for servers (start them yourself, see README.md).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -64,7 +63,8 @@ from typing import Any, Mapping, Sequence
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
 from rlctl.kit import (
-    Broadcaster, PublishReport, SyncOptions, await_confirmation, fault_site, report_recovery, weight_transport,
+    Broadcaster, PublishReport, SyncOptions, await_confirmation, eos_token_ids, fault_site, report_recovery,
+    weight_transport,
 )
 from rlctl_sglang.client import ServerClient, ServerError
 from rlctl_sglang.options import SGLangOptions
@@ -79,7 +79,7 @@ class SGLangRollout:
         self.options, self.ctx = options, ctx
         self.policy_version = ctx.policy_version
         self.tokenizer_hash = ctx.tokenizer_hash
-        self.eos_ids = _eos_ids(Path(ctx.model_dir))
+        self.eos_ids = eos_token_ids(ctx.model_dir)
         api_key = os.environ.get(options.api_key_env) or None
         self.clients = [ServerClient(url, options.timeout_s, api_key) for url in options.servers]
         self._own_dir = options.publish_dir is None
@@ -464,13 +464,3 @@ def _sampling_params(s: SamplingConfig) -> dict[str, Any]:
         params["no_stop_trim"] = True  # keep the text aligned with the tokens, as the local engine does
     return params
 
-
-def _eos_ids(model_dir: Path) -> set[int]:
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        try:
-            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            continue
-        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return ids

@@ -53,7 +53,7 @@ from typing import Any, Mapping, Sequence
 
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, TerminalReason
-from rlctl.kit import Broadcaster, EngineServers, SyncOptions, report_recovery, weight_transport
+from rlctl.kit import Broadcaster, EngineServers, SyncOptions, eos_token_ids, report_recovery, weight_transport
 from rlctl_vllm.client import ServerError, VLLMClient
 from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout, state_digests
 from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions
@@ -105,7 +105,7 @@ class VLLMRollout:
         self.options, self.ctx = options, ctx
         self.policy_version = ctx.policy_version
         self.tokenizer_hash = ctx.tokenizer_hash
-        self.eos_ids = _eos_ids(Path(ctx.model_dir))
+        self.eos_ids = eos_token_ids(ctx.model_dir)
         self.engines: EngineServers | None = None
         self._pool: ThreadPoolExecutor | None = None
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
@@ -371,14 +371,4 @@ def _parse(choice: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...
 def _seed(seed: int, prompt_id: str, call: int) -> int:
     return int(hashlib.sha1(f"{seed}/{prompt_id}/{call}".encode()).hexdigest()[:8], 16)
 
-
-def _eos_ids(model_dir: Path) -> set[int]:
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        try:
-            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            continue
-        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return ids
 

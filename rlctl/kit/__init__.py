@@ -18,7 +18,7 @@ version note. The groups:
   pickle; ``clone`` for private copies) and ``shards`` (the sharded
   checkpoint layout: ``MODEL`` / ``OPTIM`` key prefixes, ``dcp_save``,
   ``dcp_read``, ``shapes``).
-- models and devices: ``resolve_device``, ``placed``, ``load_policy``,
+- models and devices: ``resolve_device``, ``placed``, ``load_policy``, ``eos_token_ids``,
   ``fingerprint`` (the weight hash both sides of a publish check),
   ``build_char_tokenizer``, ``tokenizer_hash``.
 - weight publishing (rollout backends that serve weights elsewhere):
@@ -63,7 +63,7 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "models and devices": {
         "rlctl.models.device": ("resolve_device", "placed"),
-        "rlctl.models.load": ("load_policy",),
+        "rlctl.models.load": ("load_policy", "eos_token_ids"),
         "rlctl.models.fingerprint": ("fingerprint",),
         "rlctl.models.tokenizer": ("build_char_tokenizer", "tokenizer_hash"),
     },

@@ -57,6 +57,19 @@ def check_model_dir(path: str | Path) -> Path:
     return root
 
 
+def eos_token_ids(model_dir: str | Path) -> set[int]:
+    """The end-of-sequence token ids a model directory declares (config.json and generation_config.json): what a
+    remote engine's finish reason is read against."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((Path(model_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return ids
+
+
 def load_policy(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) from a checked local directory; weights load as safetensors."""
     import torch
