@@ -133,7 +133,7 @@ def test_every_server_down_mid_batch_is_rollout_unavailable(plugins, model_dir, 
     """The overlapped driver turns this into WorkerLost: prompts re-queued, worker restarted and resynced."""
     from rlctl.contracts.errors import RolloutUnavailable
 
-    backend = _backend(plugins, model_dir, fakes, tmp_path)
+    backend = _backend(plugins, model_dir, fakes, tmp_path, reconnect_timeout_s=1.0)  # not the 120 s default
     try:
         backend.update_weights(_update(1))
         for server in fakes:
