@@ -418,8 +418,8 @@ class EvalConfig(_Strict):
     bootstrap_samples: int = Field(2000, ge=100, description="Paired bootstrap resamples.")
     at_end: bool = Field(True, description="Evaluate after `rlctl train` finishes.")
     every_steps: int = Field(0, ge=0, description="Greedy dev pass@1 every N steps during training, recorded as "
-                             "metric eval_dev_pass_at_1 (0 = off; mode: sync only; a failed eval never stops "
-                             "training).")
+                             "metric eval_dev_pass_at_1 in every metric sink (0 = off; every mode; a failed eval "
+                             "never stops training).")
     every_num_prompts: int = Field(64, ge=1, description="Dev prompts per periodic eval (the first N of dev).")
     grader: RewardComponentConfig | None = Field(
         None, description="The evaluation grader, kept apart from the training reward: {name, options} of a "
@@ -450,10 +450,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _stop_rules_have_their_metric(self) -> "RunConfig":
         for i, r in enumerate(self.train.stop_rules):
-            if r.rule in ("dev_drop", "reward_gap") and (self.eval.every_steps == 0 or self.mode != "sync"):
+            if r.rule in ("dev_drop", "reward_gap") and self.eval.every_steps == 0:
                 raise ValueError(f"train.stop_rules.{i} ({r.rule}) reads the periodic dev eval, which is off "
-                                 f"(eval.every_steps={self.eval.every_steps}, mode: {self.mode}); set "
-                                 "eval.every_steps=N in mode: sync, or drop the rule")
+                                 "(eval.every_steps=0); set eval.every_steps=N, or drop the rule")
             if r.rule == "kl" and self.algo.kl.coef == 0:
                 raise ValueError(f"train.stop_rules.{i} (kl) bounds kl_ref, the KL to the reference model, which "
                                  "is not computed with algo.kl.coef=0; set algo.kl.coef>0, or drop the rule")

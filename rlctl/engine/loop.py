@@ -5,8 +5,9 @@ it generates a step's groups with the run's one rollout engine, then hands
 them to the training step (rlctl.engine.step.train_on), which every mode
 shares. The overlapped driver (rlctl.engine.overlap) differs only in how
 groups arrive: rollout workers feed a queue while the learner trains.
-``StepEnd`` is what both do after a step (sinks, checkpoint, observer, the
-generated-token budget); rlctl.engine.drive picks the driver.
+``StepEnd`` is what both do after a step (the periodic eval, sinks,
+checkpoint, observer, the generated-token budget); rlctl.engine.drive picks
+the driver.
 
 What this is not: building roles (rlctl.placement), run bookkeeping
 (rlctl.lifecycle.run) or display (the CLI passes an observer). It never imports
@@ -27,6 +28,7 @@ from rlctl.engine.spec import LoopSpec
 from rlctl.engine.step import StepInput, train_on
 
 Observer = Callable[[int, Mapping[str, float]], None]
+Evaluate = Callable[[int], Mapping[str, float] | None]  # step -> the eval's metrics at that step (None: none ran)
 
 
 class Checkpointer(Protocol):
@@ -37,19 +39,22 @@ class Checkpointer(Protocol):
 
 
 class StepEnd:
-    """After every step, in every mode: log to the sinks, checkpoint, tell the observer; whether to stop.
+    """After every step, in every mode: evaluate, log to the sinks, checkpoint, tell the observer; whether to stop.
 
     The run stops after the step at which the generated-token budget
     (``train.max_generated_tokens``, counted from the loop's first step) is spent.
     ``log`` adds the machine's load over the step to the step's metrics
     (rlctl.engine.metrics.MachineLoad), so a diagnosis can tell a busy machine
-    from a slow engine.
+    from a slow engine. ``evaluate`` (the run's periodic dev eval) runs first,
+    on the weights the step just published: its metrics join the step's, so
+    the sinks (written whenever an eval ran, whatever ``log_every`` says), the
+    checkpoint's manifest and the observer all see them at that step.
     """
 
     def __init__(self, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None,
-                 checkpoint: Checkpointer | None, heartbeat: Heartbeat) -> None:
+                 checkpoint: Checkpointer | None, heartbeat: Heartbeat, evaluate: Evaluate | None = None) -> None:
         self.spec, self.sinks, self.observer, self.checkpoint = spec, sinks, observer, checkpoint
-        self.heartbeat = heartbeat
+        self.heartbeat, self.evaluate = heartbeat, evaluate
         self.generated_total = 0.0
         self.load = MachineLoad()
 
@@ -61,12 +66,16 @@ class StepEnd:
     def log(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Write the step's metrics where due; whether the budget is spent (the loop stops after this step).
 
-        ``metrics`` (the step's dict) gains the load metrics in place, so the observer sees them too."""
+        ``metrics`` (the step's dict) gains the load metrics and the eval's in place, so the checkpoint and the
+        observer see them too."""
+        evaluated = self.evaluate(step) if self.evaluate is not None else None
         if isinstance(metrics, dict):
             metrics.update(self.load.sample())
+            metrics.update(evaluated or {})
         spent = self.spec.spent(metrics["generated_tokens_total"])
         bound, mismatch = self.spec.logprob_mismatch_bound, metrics.get("logprob_mismatch_max")
-        if self.spec.logs(step, spent) or (bound is not None and mismatch is not None and mismatch > bound):
+        if (self.spec.logs(step, spent) or evaluated
+                or (bound is not None and mismatch is not None and mismatch > bound)):
             for sink in self.sinks:
                 sink.write(step, metrics)
         check_mismatch(step, mismatch, bound)
@@ -96,14 +105,14 @@ def check_mismatch(step: int, mismatch: float | None, bound: float | None) -> No
 
 def run_sync(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], observer: Observer | None = None,
              start_step: int = 0, checkpoint: Checkpointer | None = None,
-             heartbeat: Heartbeat = NO_HEARTBEAT) -> dict[str, float]:
+             heartbeat: Heartbeat = NO_HEARTBEAT, evaluate: Evaluate | None = None) -> dict[str, float]:
     """Run steps ``start_step .. spec.steps-1`` with the run's one rollout engine; return the last step's metrics.
 
     A resumed run passes the restored roles and ``start_step`` = the
     checkpoint's completed steps. ``heartbeat`` is told of every role call
-    (rlctl.engine.heartbeat; the run's hang watchdog listens).
+    (rlctl.engine.heartbeat; the run's hang watchdog listens); ``evaluate`` is the periodic eval (StepEnd).
     """
-    end = StepEnd(spec, sinks, observer, checkpoint, heartbeat)
+    end = StepEnd(spec, sinks, observer, checkpoint, heartbeat, evaluate)
     sampler = Sampler(prompts=roles.cursor.next, make_request=request_encoder(roles, spec.group_size), rollout=roles.rollout,
                       reward=roles.reward, answers={r.id: r.answer for r in roles.task.train},
                       estimator=roles.estimator, group_size=spec.group_size, max_tokens=spec.max_tokens,

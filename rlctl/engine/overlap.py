@@ -43,7 +43,7 @@ from rlctl.contracts.roles import MetricSink
 from rlctl.engine.groups import request_encoder, select_groups, unscorable_batch
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.ledger import Ledger
-from rlctl.engine.loop import Checkpointer, Observer, StepEnd
+from rlctl.engine.loop import Checkpointer, Evaluate, Observer, StepEnd
 from rlctl.engine.producers import Producers, RolloutFleet
 from rlctl.engine.queue import DROP_REASONS, QueueError, QueueTimeout, TakeResult, TrajectoryQueue
 from rlctl.engine.roles import START, ResumePoint, Roles
@@ -56,11 +56,13 @@ EMPTY_CURSOR = {"watermark": 0, "resolved": [], "drops": {}}
 def run_overlapped(roles: Roles, spec: LoopSpec, queue_dir: Path, sinks: Sequence[MetricSink], *,
                    observer: Observer | None = None, resume: ResumePoint = START,
                    checkpoint: Checkpointer | None = None, heartbeat: Heartbeat = NO_HEARTBEAT,
-                   recover: Callable[[], ResumePoint] | None = None, store: Any = None) -> dict[str, float]:
+                   recover: Callable[[], ResumePoint] | None = None, store: Any = None,
+                   evaluate: Evaluate | None = None) -> dict[str, float]:
     """Run steps ``resume.step .. spec.steps-1``; return the last step's metrics.
 
     ``store`` (the checkpoint store) lets compaction keep the log of every
-    committed checkpoint; ``recover`` restores a lost learner in-run.
+    committed checkpoint; ``recover`` restores a lost learner in-run; ``evaluate`` is the periodic eval,
+    which generates on the fleet's first worker between its producer's calls (RolloutFleet.generate).
     """
     if not isinstance(roles.rollout, RolloutFleet):
         raise ValueError("the overlapped driver needs the placement's RolloutFleet as the rollout role")
@@ -69,7 +71,7 @@ def run_overlapped(roles: Roles, spec: LoopSpec, queue_dir: Path, sinks: Sequenc
                         "groups, so the learner could never fill a step",
                         "raise staleness.queue_capacity to at least algo.prompts_per_step")
     loop = _Overlapped(roles, spec, queue_dir, heartbeat, recover, store)
-    return loop.run(StepEnd(spec, sinks, observer, checkpoint, heartbeat), resume)
+    return loop.run(StepEnd(spec, sinks, observer, checkpoint, heartbeat, evaluate), resume)
 
 
 class _Overlapped:

@@ -78,12 +78,15 @@ class RolloutFleet:
     """The rollout role of an overlapped run: the placement's workers behind one RolloutBackend.
 
     ``update_weights`` publishes (each worker loads a new version before its
-    next call); ``generate`` serves callers outside the loop on the first
-    worker; ``close`` closes every worker.
+    next call); ``generate`` serves callers outside the loop (the periodic
+    eval) on the first worker with the newest weights, between its producer's
+    calls: ``serving(worker)`` is the lock a worker's load-and-generate holds;
+    ``close`` closes every worker.
     """
 
     def __init__(self, workers: Sequence[RolloutWorker]) -> None:
         self.workers, self.board = list(workers), WeightBoard()
+        self._serving = {id(worker): threading.Lock() for worker in self.workers}
 
     @property
     def policy_version(self) -> int:
@@ -93,12 +96,17 @@ class RolloutFleet:
     def update_weights(self, update: WeightUpdate) -> None:
         self.board.publish(update)
 
+    def serving(self, worker: RolloutWorker) -> threading.Lock:
+        """Held while ``worker`` loads weights and generates: one caller at a time per engine."""
+        return self._serving[id(worker)]
+
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         worker = self.workers[0]
-        update = self.board.latest()[1]
-        if update is not None:
-            worker.load_weights(update)
-        return worker.generate(requests)
+        with self.serving(worker):  # the producer's load and generate finish first; the next one waits
+            update = self.board.latest()[1]
+            if update is not None:
+                worker.load_weights(update)
+            return worker.generate(requests)
 
     def health(self) -> Mapping[str, Any]:
         return {"workers": len(self.workers), "policy_version": self.policy_version}
@@ -230,14 +238,15 @@ class Producers:
                   loaded: int) -> tuple[int, list[Trajectory], float]:
         """Load the newest weights if this worker has not (a restarted worker serves only current weights), then
         generate; (the weights' generation now loaded, trajectories, latency)."""
-        generation, update = self.fleet.board.latest()
-        if generation != loaded and update is not None:
-            with self.beat("publish", "rollout"):
-                worker.load_weights(update)
-            loaded = generation
-        started = time.perf_counter()
-        with self.beat("generate", "rollout"):
-            trajectories = worker.generate([self.encode(self.roles.cursor.record_at(k)) for k in keys])
+        with self.fleet.serving(worker):  # not while the periodic eval uses this worker (RolloutFleet.generate)
+            generation, update = self.fleet.board.latest()
+            if generation != loaded and update is not None:
+                with self.beat("publish", "rollout"):
+                    worker.load_weights(update)
+                loaded = generation
+            started = time.perf_counter()
+            with self.beat("generate", "rollout"):
+                trajectories = worker.generate([self.encode(self.roles.cursor.record_at(k)) for k in keys])
         return loaded, trajectories, time.perf_counter() - started
 
     def _restart(self, worker: RolloutWorker, failures: int, err: WorkerLost) -> None:

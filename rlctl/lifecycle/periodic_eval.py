@@ -1,17 +1,20 @@
 """Evaluation during training: greedy pass@1 of the current policy on dev every ``eval.every_steps`` steps.
 
-What this is: ``DevEval``, called by the run after each step. Every
+What this is: ``DevEval``, called at every step end (rlctl.engine.loop.StepEnd,
+in every mode) on the weights the step just published. Every
 ``eval.every_steps`` completed steps it decodes the first
 ``eval.every_num_prompts`` dev prompts greedily (``eval.max_tokens``) with the
-run's rollout backend, which holds the weights just published, grades them
-with the run's correctness reward, and records ``eval_dev_pass_at_1`` and
-``eval_dev_seconds`` at that step in the registry (so they are curves next to
-the step metrics) and as a ``dev_eval`` event. Hidden stays for the final table.
+run's rollout backend, grades them with the run's correctness reward, and
+returns ``eval_dev_pass_at_1`` and ``eval_dev_seconds``: they join that
+step's metrics, so every metric sink (the registry, metrics.jsonl,
+TensorBoard, MLflow, W&B) records them at that step, the checkpoint's
+manifest carries them and the live display shows them; a ``dev_eval`` event
+says the same. Hidden stays for the final table. In the overlapped modes the
+eval generates on the fleet's first worker between two of its producer's
+calls (rlctl.engine.producers.RolloutFleet.generate), with the newest weights.
 
 An eval that fails is reported (a warning and a ``dev_eval_failed`` event) and
-training goes on: it never raises, except for an interrupt. It runs only in
-``mode: sync``: the overlapped modes generate while the step trains, and a
-second caller of their rollout fleet would race them (a warning says so once).
+training goes on: it never raises, except for an interrupt.
 
 With ``eval.grader`` (a reward function's {name, options}, kept apart from the
 training reward) the answers are graded by it in its own process (a one-worker
@@ -22,9 +25,8 @@ rlctl.engine.reward_pool.ProcessRewardPool), and also by the training reward:
 alerts on it and a ``reward_gap`` stop rule can end the run). The event
 records the eval grader's name and version.
 
-``prepare`` is the run's checkpointer hook: the eval runs before the step's
-checkpoint is saved, so the manifest carries the dev score, and a new best dev
-score asks for a save when the store keeps the best checkpoint by
+``prepare`` is the run's checkpointer hook: a step whose metrics carry a new
+best dev score asks for a save when the store keeps the best checkpoint by
 ``eval_dev_pass_at_1`` (train.stop_rules sets that).
 
 What this is not: the final evaluation (rlctl.lifecycle.evaluate).
@@ -58,38 +60,23 @@ class DevEval:
         config = roles.config
         self.roles, self.plugins, self.registry, self.run_id, self.warn = roles, plugins, registry, run_id, warn
         self.every = config.eval.every_steps
-        self.enabled = self.every > 0 and config.mode == "sync"
-        if self.every > 0 and not self.enabled:
-            warn(f"eval.every_steps={self.every} is ignored in mode: {config.mode} (the dev eval runs in mode: "
-                 "sync only); the final eval still runs")
+        self.enabled = self.every > 0
         self.records = roles.task.dev[:config.eval.every_num_prompts]
         self.grader = None
         self.pool: Any = None  # the eval.grader's worker process, started at the first eval
         self.keep_best = best_checkpoint_metric(config) == BEST_DEV_METRIC
         self.best: float | None = None
-        self._done: tuple[int, dict[str, float] | None] | None = None  # (step, result) of the eval prepare ran
 
     def prepare(self, steps_done: int, metrics: Mapping[str, float]) -> tuple[Mapping[str, float], bool]:
-        """Checkpointer hook: run the eval due at this step first; its metrics go into the manifest, and a new
-        best dev score asks for a save when the best checkpoint is kept by it."""
-        step = steps_done - 1
-        if not self.due(step):
+        """Checkpointer hook: a new best dev score in the step's metrics asks for a save when the best
+        checkpoint is kept by it."""
+        score = metrics.get(BEST_DEV_METRIC)
+        if score is None:
             return metrics, False
-        dev = self(step)
-        self._done = (step, dev)
-        if dev is None:
-            return metrics, False
-        score = dev[BEST_DEV_METRIC]
         better = self.best is None or score > self.best
         if better:
             self.best = score
-        return {**metrics, **dev}, better and self.keep_best
-
-    def take(self, step: int) -> dict[str, float] | None:
-        """The dev metrics of ``step``: those ``prepare`` recorded, else the eval run now (None when not due)."""
-        if self._done is not None and self._done[0] == step:
-            return self._done[1]
-        return self(step)
+        return metrics, better and self.keep_best
 
     def close(self) -> None:
         if self.pool is not None:
@@ -100,12 +87,11 @@ class DevEval:
         return self.enabled and (step + 1) % self.every == 0
 
     def __call__(self, step: int) -> dict[str, float] | None:
-        """The dev metrics recorded at ``step`` (None when not due or when the eval failed)."""
+        """The dev metrics of ``step`` (None when not due or when the eval failed); the sinks record them."""
         if not self.due(step):
             return None
         try:
             metrics = self._evaluate()
-            self.registry.log_metrics(self.run_id, step, metrics)
             gap = (f", eval score {metrics['eval_dev_score']:.3f} vs training reward "
                    f"{metrics['eval_dev_train_reward']:.3f} (gap {metrics['eval_reward_gap']:+.3f})"
                    if "eval_reward_gap" in metrics else "")

@@ -273,8 +273,8 @@ class Run:
         from rlctl.lifecycle.stop_rules import StopRules, StopRun
 
         self._dev_eval = DevEval(roles, self.plugins, self.registry, run_id, self.warn)
-        if self._dev_eval.enabled:  # the dev eval runs before the step's save: its score goes into the manifest
-            checkpointer.prepare = self._prepare_dev
+        if self._dev_eval.enabled:  # the dev eval runs before the step's save: a new best dev score forces one
+            checkpointer.prepare = self._dev_eval.prepare
         self._stop_rules = StopRules(config.train.stop_rules) if config.train.stop_rules else None
         self.plugins.pm.hook.on_run_start(run_id=run_id, config=self.record.config)
         # faults, recovery events, live alerts, NaN rollback, hang watchdog (rlctl.incidents.recovery)
@@ -288,7 +288,8 @@ class Run:
         try:
             last = guard.run(lambda point: drive(
                 roles, spec, self._sinks, observer=self._on_step, resume=point, checkpoint=checkpointer,
-                heartbeat=guard.heartbeat, directory=self.dir.root, recover=recover, store=checkpointer.store),
+                heartbeat=guard.heartbeat, directory=self.dir.root, recover=recover, store=checkpointer.store,
+                evaluate=self._evaluate_dev if self._dev_eval.enabled else None),
                 resume, checkpointer)
         except StopRun as stop:  # a stop rule fired: end as at the last step, then say which rule and where
             self._stopped, last = stop, stop.metrics
@@ -343,12 +344,6 @@ class Run:
 
     def _on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         self.plugins.pm.hook.on_step_end(run_id=self.record.id, step=step, metrics=metrics)
-        if self._dev_eval is not None and self._dev_eval.due(step):
-            beat = self._guard.heartbeat if self._guard is not None else None
-            with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
-                dev = self._dev_eval.take(step)
-            if dev is not None:
-                metrics = {**metrics, **dev}
         if self.cb.step:
             self.cb.step(step, metrics)
         if self._guard is not None:
@@ -359,11 +354,14 @@ class Run:
 
             raise StopRun(stop, metrics)
 
-    def _prepare_dev(self, steps_done: int, metrics: Mapping[str, float]) -> tuple[Mapping[str, float], bool]:
-        """The checkpointer's hook: the dev eval due at this step, in the watchdog's eval phase."""
+    def _evaluate_dev(self, step: int) -> Mapping[str, float] | None:
+        """The step end's eval (rlctl.engine.loop.StepEnd): the dev eval due at ``step``, in the watchdog's eval
+        phase."""
+        if not self._dev_eval.due(step):
+            return None
         beat = self._guard.heartbeat if self._guard is not None else None
         with beat.phase("eval", "rollout") if beat is not None else contextlib.nullcontext():
-            return self._dev_eval.prepare(steps_done, metrics)
+            return self._dev_eval(step)
 
     def _make_checkpointer(self, roles: "Roles") -> Any:
         from rlctl.engine.snapshot import Provenance, StepCheckpointer

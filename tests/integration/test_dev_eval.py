@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,13 +13,17 @@ from tests.integration.test_cli import rlctl
 
 
 @pytest.mark.slow  # a tiny training run first
-def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home):
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home, mode):
+    """In the plain loop and in the overlapped driver: the dev curve in the registry and in metrics.jsonl at the
+    eval's steps (log_every would skip step 1), and a PNG of it from `rlctl runs plot`."""
     from rlctl.registry.store import Registry
 
     if (_rlctl_home / "cache").exists():
         (tmp_path / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
-    proc = rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "train.steps=2", "eval.at_end=false",
-                 "eval.every_steps=1", "eval.every_num_prompts=5", "--json", home=tmp_path, check=True)
+    proc = rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, f"mode={mode}", "train.steps=2",
+                 "train.log_every=5", "eval.at_end=false", "eval.every_steps=1", "eval.every_num_prompts=5",
+                 "--json", home=tmp_path, check=True)
     run = json.loads(proc.stdout)["run"]
     with Registry.open(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
         points = reg.metrics(run["id"], ["eval_dev_pass_at_1", "eval_dev_seconds"])
@@ -26,6 +31,11 @@ def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home):
     curve = sorted((p.step, p.value) for p in points if p.name == "eval_dev_pass_at_1")
     assert [step for step, _ in curve] == [0, 1] and all(0.0 <= v <= 1.0 for _, v in curve)
     assert len(events) == 2 and "on 5 prompts" in events[0].message
+    lines = [json.loads(line) for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["metrics"]["eval_dev_pass_at_1"]) for line in lines] == curve
+    png = tmp_path / "curves.png"
+    rlctl("runs", "plot", run["id"], "-o", str(png), home=tmp_path, check=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 class _Registry:
@@ -60,14 +70,14 @@ def test_a_failing_dev_eval_is_reported_and_training_goes_on(tiny_config, plugin
     assert "training goes on" in warnings[0] and registry.metrics == []
 
 
-def test_dev_eval_is_skipped_with_a_warning_outside_sync_mode(tiny_config, plugins):
+def test_dev_eval_runs_in_every_mode(tiny_config, plugins):
     from rlctl.lifecycle.periodic_eval import DevEval
 
     roles = _roles(tiny_config, lambda requests: [])
     roles.config = roles.config.model_copy(update={"mode": "async"})
     warnings = []
     dev = DevEval(roles, plugins, _Registry(), "run-1", warnings.append)
-    assert not dev.due(1) and "mode: sync only" in warnings[0]
+    assert dev.enabled and dev.due(1) and not dev.due(0) and not warnings
 
 
 def test_the_live_display_keeps_the_latest_dev_score():
@@ -101,9 +111,9 @@ def test_the_live_display_keeps_the_latest_train_vs_eval_gap():
     assert "gap +0.5" in lines[0] and "gap +0.5" in lines[1]
 
 
-def test_the_dev_eval_runs_before_the_save_and_a_new_best_asks_for_one(tiny_config, plugins, monkeypatch):
-    """prepare (the checkpointer's hook) puts the dev score into the manifest's metrics; a new best forces a save
-    when the best checkpoint is kept by the dev score (stop rules set that); take hands the same result on."""
+def test_a_new_best_dev_score_asks_for_a_save(tiny_config, plugins):
+    """prepare (the checkpointer's hook) reads the dev score the step end merged into the step's metrics; a new
+    best forces a save when the best checkpoint is kept by the dev score (stop rules set that)."""
     from rlctl.config.models import StopRule
     from rlctl.lifecycle.periodic_eval import DevEval, best_checkpoint_metric
 
@@ -112,13 +122,48 @@ def test_the_dev_eval_runs_before_the_save_and_a_new_best_asks_for_one(tiny_conf
         update={"stop_rules": [StopRule(rule="dev_drop")]})})
     assert best_checkpoint_metric(roles.config) == "eval_dev_pass_at_1"
     dev = DevEval(roles, plugins, _Registry(), "run-1", lambda message: None)
-    scores = iter([0.5, 0.25, 0.75])
-    monkeypatch.setattr(dev, "_evaluate", lambda: {"eval_dev_pass_at_1": next(scores), "eval_dev_seconds": 0.1})
-    assert dev.prepare(1, {"loss": 1.0}) == ({"loss": 1.0}, False)  # step 0: not due
-    metrics, force = dev.prepare(2, {"loss": 1.0})
-    assert force and metrics["eval_dev_pass_at_1"] == 0.5 and dev.take(1)["eval_dev_pass_at_1"] == 0.5
-    assert dev.prepare(4, {})[1] is False  # 0.25: not a new best
-    assert dev.prepare(6, {})[1] is True  # 0.75
+    assert dev.prepare(1, {"loss": 1.0}) == ({"loss": 1.0}, False)  # no eval at this step
+    assert dev.prepare(2, {"loss": 1.0, "eval_dev_pass_at_1": 0.5})[1] is True
+    assert dev.prepare(4, {"eval_dev_pass_at_1": 0.25})[1] is False  # not a new best
+    assert dev.prepare(6, {"eval_dev_pass_at_1": 0.75})[1] is True
+
+
+def test_the_step_end_merges_the_eval_into_the_step_and_every_sink_gets_it(tiny_config):
+    """StepEnd (every mode's step end) runs the eval first: the sinks get its metrics at that step even when
+    log_every would skip the step, and the observer sees them in the same dict."""
+    from rlctl.engine.heartbeat import NO_HEARTBEAT
+    from rlctl.engine.loop import StepEnd
+    from rlctl.engine.spec import LoopSpec
+    from rlctl_sinks.jsonl import JsonlSink
+
+    config = tiny_config.model_copy(update={"train": tiny_config.train.model_copy(
+        update={"steps": 10, "log_every": 5})})
+    written, seen = [], []
+
+    class Sink:
+        def write(self, step, metrics):
+            written.append((step, dict(metrics)))
+
+        def close(self):
+            pass
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = JsonlSink(tmp)
+        end = StepEnd(LoopSpec.from_config(config), [Sink(), jsonl], lambda step, m: seen.append((step, dict(m))),
+                      None, NO_HEARTBEAT, evaluate=lambda step: {"eval_dev_pass_at_1": 0.5} if step == 2 else None)
+        for step in range(4):
+            metrics = {"generated_tokens_total": 1.0, "reward_mean": 0.1}
+            end.log(step, metrics)
+            end.observe(step, metrics)
+        jsonl.close()
+        lines = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    assert [step for step, _ in written] == [0, 2]  # step 0 by log_every, step 2 because the eval ran
+    assert written[1][1]["eval_dev_pass_at_1"] == 0.5 and "eval_dev_pass_at_1" not in written[0][1]
+    assert [line["step"] for line in lines] == [0, 2] and lines[1]["metrics"]["eval_dev_pass_at_1"] == 0.5
+    assert seen[2][1]["eval_dev_pass_at_1"] == 0.5
 
 
 def test_the_eval_grader_is_built_in_its_own_process(tiny_config):
