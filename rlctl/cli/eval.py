@@ -88,11 +88,20 @@ def _eval_model_dir(path: str, config: Optional[Path], overrides: List[str], ks:
     rows = [(f"pass@{kk}", v["value"] * 100, f"[{v['ci_low'] * 100:.1f}, {v['ci_high'] * 100:.1f}]")
             for kk, v in record.results.items()]
     title = (f"{record.split} pass@k, {record.num_prompts} prompts x {record.num_samples} samples at temperature "
-             f"{record.temperature:g}, {record.details['kind']} {record.model_dir}")
+             f"{record.temperature:g}, {record.details['kind']} {record.model_dir}"
+             + _graded_by(record.details.get("eval_grader")))
     _output.console.print(_output.table(title, ["metric", "value (%)", "bootstrap 95% CI"], rows))
     _output.console.print(f"model sha256 {record.model_hash[:16]}; eval record {record.id}; "
                           f"{record.details['wall_s']:.1f} s (grading {record.details['grade_s']:.1f} s, "
                           f"{record.details['grade_s'] / (record.num_prompts * record.num_samples):.3f} s per sample)")
+
+
+def _graded_by(grader: Mapping[str, Any] | None) -> str:
+    """', graded by eval.grader NAME@VERSION' (and its failures) when the eval grader counted, else ''."""
+    if not grader:
+        return ""
+    errors = f", {grader['errors']} grader errors counted as wrong" if grader.get("errors") else ""
+    return f", graded by eval.grader {grader['version']}{errors}"
 
 
 def render_pass_at_k(table: Mapping[str, Any], split: str, num_prompts: int) -> None:
@@ -100,7 +109,8 @@ def render_pass_at_k(table: Mapping[str, Any], split: str, num_prompts: int) -> 
     for name in ("start", "final"):
         for kk, v in table[name]["pass_at_k"].items():
             rows.append((name, f"pass@{kk}", v["value"] * 100, f"[{v['ci_low'] * 100:.1f}, {v['ci_high'] * 100:.1f}]"))
-    title = (f"{split} pass@k, {num_prompts} prompts x {table['n']} samples at temperature {table['temperature']:g}")
+    title = (f"{split} pass@k, {num_prompts} prompts x {table['n']} samples at temperature {table['temperature']:g}"
+             + _graded_by(table.get("grader")))
     _output.console.print(_output.table(title, ["policy", "metric", "value (%)", "bootstrap 95% CI"], rows))
 
 

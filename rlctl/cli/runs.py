@@ -1,9 +1,11 @@
-"""``rlctl runs list|show``: the registry's runs, with provenance, last metrics and checkpoints."""
+"""``rlctl runs list|show|compare|plot|evals``: the registry's runs (provenance, last metrics, checkpoints, curves)
+and its model evals."""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -103,3 +105,44 @@ def compare(run_a: str = typer.Argument(..., help="First run id (or prefix)."),
     evals = [(f"{e.split} pass@1 start -> final", f"{e.baseline_pass_at_1:.3f} -> {e.candidate_pass_at_1:.3f}")
              if e else ("eval", "none") for e in (eval_a, eval_b)]
     _output.console.print(_output.table("latest eval", cols, [(evals[0][0], evals[0][1], evals[1][1])]))
+
+
+@app.command("plot")
+def plot(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
+         out: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG to write (default: "
+                                            "<run dir>/curves.png)."),
+         metric: Optional[List[str]] = typer.Option(None, "--metric", help="Plot this metric in a panel of its "
+                                                    "own instead of the default panels (repeat for more)."),
+         registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
+    """PNG of a run's curves from the registry: training reward, KL to the reference and the dev eval's pass@1
+    (eval.every_steps; with eval.grader also its score and the training reward on the same answers)."""
+    from rlctl.lifecycle.curves import plot_run
+
+    with open_registry(registry) as reg:
+        path, points = plot_run(reg, run, out, metric or [])
+    if json_out:
+        _output.print_json({"plot": str(path), "points": points})
+        return
+    drawn = ", ".join(f"{name} {n}" for name, n in points.items() if n) or "no points"
+    _output.console.print(f"curves: {path} ({drawn})")
+
+
+@app.command("evals")
+def evals(model: Optional[str] = typer.Option(None, "--model", help="Only this model's evals (its sha256 or a "
+                                              "prefix, as `rlctl eval DIR` prints it)."),
+          limit: int = typer.Option(50, "--limit", min=1),
+          registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
+    """List the model evals (`rlctl eval CHECKPOINT_DIR|HF_DIR`), newest first: the model, the split, pass@k."""
+    from rlctl.registry.model_evals import ModelEvalStore
+
+    with open_registry(registry) as reg:
+        records = ModelEvalStore(reg).list(model, newest_first=True, limit=limit)
+    if json_out:
+        _output.print_json({"model_evals": records})
+        return
+    rows = [(e.id, _when(e.created_at), e.model_hash[:12], e.details.get("kind", ""), e.model_dir, e.split,
+             f"{e.num_prompts} x {e.num_samples}", f"{e.temperature:g}",
+             ", ".join(f"pass@{k} {v['value'] * 100:.1f}%" for k, v in e.results.items()),
+             (e.details.get("eval_grader") or {}).get("version", "correctness reward")) for e in records]
+    cols = ["id", "created", "model", "kind", "dir", "split", "prompts x samples", "temp", "results", "graded by"]
+    _output.console.print(_output.table(None, cols, rows))

@@ -340,13 +340,11 @@ def _ablation_correct(registry: Registry, run_id: str, ablation_id: str) -> list
 
 def plot_curves(registry: Registry, rep: AblationReport, path: Path, metric: str = "reward_mean") -> Path:
     """PNG of ``metric`` against generated tokens per cell: the seed mean and a min-max band over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    from rlctl.lifecycle.curves import pyplot, save_png
+
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for cell in rep.cells:
         curves = []
         for run_id in cell.run_ids:
@@ -364,18 +362,15 @@ def plot_curves(registry: Registry, rep: AblationReport, path: Path, metric: str
     ax.set_ylabel(f"{metric} (train)")
     ax.set_title(f"ablation {rep.ablation.id}: seed mean, band = min..max over seeds")
     ax.legend(fontsize="small")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_png(fig, path, bbox_inches="tight")
 
 
 def _curve(registry: Registry, run_id: str, metric: str) -> list[tuple[float, float]]:
-    by_step: dict[int, dict[str, float]] = {}
-    for point in registry.metrics(run_id, [metric, "generated_tokens_total"]):
-        by_step.setdefault(point.step, {})[point.name] = point.value
-    return [(v["generated_tokens_total"], v[metric]) for _, v in sorted(by_step.items())
-            if "generated_tokens_total" in v and metric in v and math.isfinite(v[metric])]
+    from rlctl.lifecycle.curves import series
+
+    points = series(registry, run_id, [metric, "generated_tokens_total"])
+    tokens = dict(points["generated_tokens_total"])
+    return [(tokens[step], value) for step, value in points[metric] if step in tokens]
 
 
 def as_json(rep: AblationReport) -> dict[str, Any]:

@@ -138,6 +138,8 @@ class _Grader:
             scores = sample_policy(policy_dir, config, self.plugins, self._task(run, config), records, n, temperature)
             out[name] = summarize(scores.counts, n, self.ks, [r.id for r in records],
                                   config.eval.bootstrap_samples, config.run.seed)
+            if scores.grader is not None:  # eval.grader counted the correct samples: which one, which version
+                out["grader"] = scores.grader
         return out
 
     def _task(self, run: Any, config: RunConfig) -> Any:

@@ -102,6 +102,8 @@ def evaluate_model(registry: Registry, plugins: Plugins, model: ModelDir, config
                "max_tokens": config.eval.max_tokens, "wall_s": time.perf_counter() - started,
                "grade_s": scores.grade_seconds, "prompts": summary["prompts"],
                "reward": config.reward.model_dump(mode="json")}
+    if scores.grader is not None:  # eval.grader counted the correct samples
+        details["eval_grader"] = scores.grader
     record = ModelEvalRecord(id=None, model_hash=digest, model_dir=str(model.path), split=run_split,
                              num_prompts=len(records), num_samples=n, temperature=temperature,
                              results=summary["pass_at_k"], created_at=time.time(), details=details)

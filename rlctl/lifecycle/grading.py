@@ -114,11 +114,14 @@ class SampledScores:
     temperature: float
     responses: tuple[str, ...]
     grade_seconds: float
+    grader: dict[str, Any] | None = None  # with eval.grader: its name, version and errors (answers it failed on)
 
 
 def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: TaskData,
                   records: Sequence[PromptRecord], n: int, temperature: float) -> SampledScores:
-    """Sample ``n`` answers per prompt at ``temperature`` (top_p/top_k from rollout) and count correct ones."""
+    """Sample ``n`` answers per prompt at ``temperature`` (top_p/top_k from rollout) and count correct ones:
+    graded by ``eval.grader`` in its own processes (``reward.workers`` of them) when the config sets one, else
+    by the run's correctness reward."""
     import time
 
     from transformers import AutoTokenizer
@@ -137,9 +140,25 @@ def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: T
         trajectories = backend.generate(requests)
     finally:
         backend.close()
-    grader = correctness_grader(config, plugins)
     started = time.perf_counter()
     answers = [rec.answer for rec in records for _ in range(n)]
+    apart = None
+    if config.eval.grader is not None:
+        from functools import partial
+
+        from rlctl.engine.reward_pool import ProcessRewardPool
+
+        with ProcessRewardPool(partial(eval_grader_from_config, config), max(1, config.reward.workers),
+                               timeout_s=config.reward.timeout_s, retries=config.reward.retries) as pool:
+            results, version = pool.score(trajectories, answers), pool.version
+        apart = {"name": config.eval.grader.name, "version": version,
+                 "errors": sum(1 for r in results if not r.ok)}  # counted as wrong, and said, as greedy pass@1 does
+        correct = [int(r.ok and r.total >= 1.0) for r in results]
+        counts = [sum(correct[i * n:(i + 1) * n]) for i in range(len(records))]
+        return SampledScores(counts=tuple(counts), n=n, temperature=temperature,
+                             responses=tuple(trajectories[i * n].response_text for i in range(len(records))),
+                             grade_seconds=time.perf_counter() - started, grader=apart)
+    grader = correctness_grader(config, plugins)
     if config.reward.workers > 1:  # a sandboxed grader (code) waits on its jail: grade reward.workers at once
         from concurrent.futures import ThreadPoolExecutor
 

@@ -281,10 +281,9 @@ def latency(steps: Sequence[StepTimes]) -> dict[str, float]:
 
 def save_chart(report: ProfileReport, path: Path) -> Path:
     """PNG timeline: one lane per pool and placement, one coloured bar per stage and step."""
-    import matplotlib
+    from rlctl.lifecycle.curves import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"T_r": "#4c72b0", "T_v": "#dd8452", "T_l": "#55a868", "T_s": "#c44e52", "other": "#bbbbbb"}
     lanes = _lanes(report)
@@ -301,10 +300,7 @@ def save_chart(report: ProfileReport, path: Path) -> Path:
     ax.legend(handles, list(colors), ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(lanes)),
               frameon=False)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def _lanes(report: ProfileReport) -> list[tuple[str, list[tuple[float, float, str]]]]:

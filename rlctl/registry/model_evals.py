@@ -43,9 +43,11 @@ class ModelEvalStore:
                                    idempotent=False)
         return dataclasses.replace(record, id=new_id)
 
-    def list(self, model_hash: str | None = None) -> list[ModelEvalRecord]:
-        """Model evals, oldest first; only those of ``model_hash`` (a full hash or a prefix) when given."""
-        query = select(ModelEval).order_by(ModelEval.id)
+    def list(self, model_hash: str | None = None, *, newest_first: bool = False,
+             limit: int | None = None) -> list[ModelEvalRecord]:
+        """Model evals, oldest first (or newest first, at most ``limit``); only those of ``model_hash`` (a full hash
+        or a prefix) when given."""
+        query = select(ModelEval).order_by(ModelEval.id.desc() if newest_first else ModelEval.id).limit(limit)
         if model_hash:
             query = query.where(ModelEval.model_hash.startswith(model_hash))
 

@@ -42,6 +42,26 @@ def test_eval_hf_dir_pass_at_k_without_a_run(hf_dir, tmp_path):
     assert stored[0].results == record["results"]
 
 
+def test_pass_at_k_is_counted_by_the_eval_grader_and_model_evals_list_newest_first(hf_dir, tmp_path):
+    """With eval.grader the samples are counted by it (a format check any text passes: pass@k 1.0 whatever the
+    tiny model answers), and the record names it; `rlctl runs evals` lists the model evals, newest first."""
+    grader = "eval.grader={name: format, options: {pattern: '.*', require_eos: false}}"
+    first = json.loads(rlctl("eval", str(hf_dir), *TASK, "eval.num_prompts=3", "--json", home=tmp_path,
+                             check=True).stdout)["model_eval"]
+    proc = rlctl("eval", str(hf_dir), *TASK, "eval.num_prompts=3", "rollout.temperature=1.0", grader, "--k", "1,2",
+                 "--json", home=tmp_path, check=True)
+    record = json.loads(proc.stdout)["model_eval"]
+    assert {k: v["value"] for k, v in record["results"].items()} == {"1": 1.0, "2": 1.0}
+    assert record["details"]["eval_grader"]["name"] == "format" and record["details"]["eval_grader"]["errors"] == 0
+    assert record["details"]["eval_grader"]["version"].startswith("format@")
+    assert "eval_grader" not in first["details"]
+    listed = json.loads(rlctl("runs", "evals", "--json", home=tmp_path, check=True).stdout)["model_evals"]
+    assert [e["id"] for e in listed] == [record["id"], first["id"]]
+    table = rlctl("runs", "evals", "--model", record["model_hash"][:8], "--limit", "1", home=tmp_path,
+                  check=True).stdout
+    assert "format@" in table and str(record["id"]) in table
+
+
 def test_eval_model_dir_table_and_refusals(hf_dir, tmp_path):
     proc = rlctl("eval", str(hf_dir), *TASK, "eval.num_prompts=4", home=tmp_path, check=True)
     assert "pass@1" in proc.stdout and "model sha256" in proc.stdout
