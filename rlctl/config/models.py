@@ -245,6 +245,11 @@ class TrainConfig(_Strict):
         "groups included) reach N, even before train.steps; null = train.steps only. Equal-budget comparisons "
         "(rlctl ablate) use it."
     )
+    max_wall_seconds: float | None = Field(
+        None, gt=0, description="Stop after the step at which the training loop's wall-clock seconds (counted from "
+        "its first step; metric rl_seconds_total) reach N, even before train.steps; null = train.steps only. "
+        "Equal-time comparisons (rlctl ablate --budget wall-seconds|device-seconds) use it."
+    )
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     micro_batch_tokens: int | None = Field(

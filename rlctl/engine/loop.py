@@ -16,6 +16,7 @@ ray, rich or the registry.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.errors import RoleError
@@ -42,7 +43,10 @@ class StepEnd:
     """After every step, in every mode: evaluate, log to the sinks, checkpoint, tell the observer; whether to stop.
 
     The run stops after the step at which the generated-token budget
-    (``train.max_generated_tokens``, counted from the loop's first step) is spent.
+    (``train.max_generated_tokens``) or the wall-clock budget
+    (``train.max_wall_seconds``; each step records ``rl_seconds_total``, the
+    seconds from the loop's start to the end of that step, its eval included)
+    is spent, both counted from the loop's first step.
     ``log`` adds the machine's load over the step to the step's metrics
     (rlctl.engine.metrics.MachineLoad), so a diagnosis can tell a busy machine
     from a slow engine. ``evaluate`` (the run's periodic dev eval) runs first,
@@ -55,6 +59,7 @@ class StepEnd:
                  checkpoint: Checkpointer | None, heartbeat: Heartbeat, evaluate: Evaluate | None = None) -> None:
         self.spec, self.sinks, self.observer, self.checkpoint = spec, sinks, observer, checkpoint
         self.heartbeat, self.evaluate = heartbeat, evaluate
+        self.started = time.perf_counter()
         self.generated_total = 0.0
         self.load = MachineLoad()
 
@@ -72,7 +77,8 @@ class StepEnd:
         if isinstance(metrics, dict):
             metrics.update(self.load.sample())
             metrics.update(evaluated or {})
-        spent = self.spec.spent(metrics["generated_tokens_total"])
+            metrics["rl_seconds_total"] = time.perf_counter() - self.started
+        spent = self.spec.spent(metrics["generated_tokens_total"], metrics.get("rl_seconds_total", 0.0))
         bound, mismatch = self.spec.logprob_mismatch_bound, metrics.get("logprob_mismatch_max")
         if (self.spec.logs(step, spent) or evaluated
                 or (bound is not None and mismatch is not None and mismatch > bound)):

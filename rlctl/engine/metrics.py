@@ -15,7 +15,9 @@ rollout_prompt/real/computed/prefill_tokens, rollout_padding_waste (the torch
 learner adds learner_real/computed/flop_tokens, learner_padding_waste); and
 in every mode the overlap and
 driver names (``overlap_metrics``, ``DRIVER_METRICS``), 0 where a mode has
-no such thing (a synchronous run has no queue).
+no such thing (a synchronous run has no queue). The step end
+(rlctl.engine.loop.StepEnd) adds rl_seconds_total, the machine-load names
+(``MachineLoad``) and, at an eval step, the periodic eval's eval_dev_*.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class LoopSpec:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     log_every: int = 1  # sinks get every log_every-th step and the last one
     max_generated_tokens: int | None = None  # stop after the step whose running total reaches this
+    max_wall_seconds: float | None = None  # stop after the step at which the loop's seconds reach this
     critic_warmup_steps: int = 0  # steps that train only the critic (read only when there is a critic)
     logprob_mismatch_bound: float | None = None  # stop when a step's logprob_mismatch_max exceeds this
     verifier_retries: int = 0  # re-score a timed-out / crashed sample with a fresh grader up to N times
@@ -89,8 +90,10 @@ class LoopSpec:
         """Whether the sinks get ``step``: every ``log_every``-th, the last, and the one that spent the budget."""
         return step % self.log_every == 0 or step == self.steps - 1 or spent
 
-    def spent(self, generated_total: float) -> bool:
-        return self.max_generated_tokens is not None and generated_total >= self.max_generated_tokens
+    def spent(self, generated_total: float, seconds: float = 0.0) -> bool:
+        """Whether a budget is spent: the generated tokens or the loop's wall-clock seconds so far."""
+        return ((self.max_generated_tokens is not None and generated_total >= self.max_generated_tokens)
+                or (self.max_wall_seconds is not None and seconds >= self.max_wall_seconds))
 
     @classmethod
     def from_config(cls, config: "RunConfig") -> "LoopSpec":
@@ -104,7 +107,8 @@ class LoopSpec:
                    mode=config.mode, truncation_penalty=config.rollout.truncation_penalty,
                    max_tokens=config.rollout.max_tokens, kl_coef=a.kl.coef, kl_placement=a.kl.placement,
                    kl_estimator=a.kl.estimator, log_every=config.train.log_every,
-                   max_generated_tokens=config.train.max_generated_tokens, critic_warmup_steps=a.critic.warmup_steps,
+                   max_generated_tokens=config.train.max_generated_tokens,
+                   max_wall_seconds=config.train.max_wall_seconds, critic_warmup_steps=a.critic.warmup_steps,
                    verifier_retries=config.faults.verifier_retries, queue=queue,
                    logprob_mismatch_bound=config.train.logprob_mismatch_bound)
 

@@ -2,7 +2,8 @@
 
 The same short config runs through the public ``train`` in each mode: the
 generated-token budget (``train.max_generated_tokens``, what ``rlctl ablate``
-compares at) stops every one of them at the step that spends it, every mode
+compares at) and the wall-clock one (``train.max_wall_seconds``) stop every
+one of them at the step that spends it, every mode
 writes the same metric names, and an option that cannot work in a mode is
 refused before any role is built, with the reason.
 """
@@ -66,6 +67,29 @@ def _check_budget_and_names(runs: dict[str, list]) -> None:
 
 def test_every_mode_stops_at_the_token_budget_and_writes_the_same_metrics(_rlctl_home, tmp_path, tiny_policy_dir):
     _check_budget_and_names(_train_modes(_rlctl_home, tmp_path))
+
+
+def test_every_mode_stops_at_the_step_that_spends_the_wall_clock_budget(_rlctl_home, tmp_path, tiny_policy_dir):
+    """train.max_wall_seconds, the seconds analogue of the token budget (rlctl ablate --budget wall-seconds):
+    each mode stops after the first step whose rl_seconds_total reaches it, however fast the machine is."""
+    from rlctl.config.load import load_config
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.lifecycle.train import train
+    from rlctl.registry.store import Registry
+
+    budget = 1.5
+    with Registry.open(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
+        for mode in MODES:
+            config = load_config(None, [*TINY_OVERRIDES, f"mode={mode}", "train.steps=40",
+                                        f"train.max_wall_seconds={budget}", "eval.at_end=false",
+                                        "checkpoint.every_steps=0", "staleness.max_staleness=1"])
+            result = train(config, registry=reg, plugins=load_plugins(), home=_rlctl_home, run_dir=tmp_path / mode)
+            assert result.run.status == "succeeded", mode
+            steps = _by_step(reg.metrics(result.run.id))
+            seconds = [steps[s]["rl_seconds_total"] for s in sorted(steps)]
+            assert len(seconds) < 40 and seconds[-1] >= budget, (mode, seconds)
+            assert all(s < budget for s in seconds[:-1]), (mode, seconds)
+            assert all(b > a for a, b in zip(seconds, seconds[1:])), (mode, seconds)
 
 
 @pytest.mark.ray
