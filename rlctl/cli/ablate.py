@@ -1,4 +1,4 @@
-"""``rlctl ablate``: run a matrix of config cells x seeds at an equal token budget and print the comparison."""
+"""``rlctl ablate``: run a matrix of config cells x seeds at an equal budget (tokens or seconds) and print the comparison."""
 
 from __future__ import annotations
 
@@ -20,10 +20,15 @@ def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/qu
            budget_tokens: Optional[int] = typer.Option(None, "--budget-tokens", min=1, help="Generated response "
                                                        "tokens per run (default: what the baseline cell's first "
                                                        "seed generates in train.steps steps)."),
+           budget: Optional[str] = typer.Option(None, "--budget", help="tokens, wall-seconds or device-seconds, "
+                                                "optionally =N: every run gets the same generated tokens, RL "
+                                                "wall-clock seconds, or RL seconds x the devices its learner and "
+                                                "rollout use (default amount: what the baseline cell's first seed "
+                                                "spends in train.steps steps). Default: tokens."),
            old_set: Optional[List[str]] = typer.Option(None, "--set", hidden=True),
            registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Compare config choices honestly: same warm start, same generated-token budget, several seeds,
-    paired bootstrap CIs on the hidden split. Re-running the same command continues an interrupted ablation."""
+    """Compare config choices honestly: same warm start, same budget (generated tokens, or RL seconds with
+    --budget), several seeds, paired bootstrap CIs on the hidden split. Re-running the same command continues an interrupted ablation."""
     from rlctl.config.load import load_config
     from rlctl.contracts.errors import ConfigError
     from rlctl.hooks.manager import load_plugins
@@ -33,7 +38,7 @@ def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/qu
         raise ConfigError("rlctl ablate takes overrides after the config, not as --set",
                           f"rlctl ablate {config} {' '.join(old_set)} --axis ...")
     home = rlctl_home()
-    p = ops.plan(load_config(config, overrides or []), axis, seeds, budget_tokens)
+    p = ops.plan(load_config(config, overrides or []), axis, seeds, budget_tokens, budget)
     plugins = load_plugins()
     with open_registry(registry) as reg:
         with _Display(len(p.cells) * len(p.seeds)) as display:
@@ -48,12 +53,16 @@ def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/qu
 
 
 def render(rep, rows) -> None:
-    _output.console.print(f"ablation {rep.ablation.id} ({rep.ablation.status}): budget {rep.budget_tokens} generated "
-                          f"tokens per run; hidden split {rep.num_prompts} prompts, warm start pass@1 "
-                          f"{rep.warm_start_pass_at_1:.3f}")
+    from rlctl.lifecycle.ablate import SUMMARY_COLUMNS
+
+    budget = (f"{rep.budget_tokens} generated tokens" if rep.budget_kind == "tokens"
+              else f"{rep.budget_seconds:.1f} {rep.budget_kind}" if rep.budget_seconds is not None
+              else f"{rep.budget_kind} (not set yet)")
+    _output.console.print(f"ablation {rep.ablation.id} ({rep.ablation.status}): budget {budget} per run; hidden "
+                          f"split {rep.num_prompts} prompts, warm start pass@1 {rep.warm_start_pass_at_1:.3f}")
     _output.console.print(_output.table(
         None, ["cell", "seeds", "pass@1", "gain vs warm start [95% CI]", f"vs {rep.baseline} pooled [95% CI]",
-               "vs baseline per seed", "tokens mean (min-max)", "wall s"], rows))
+               "vs baseline per seed", *SUMMARY_COLUMNS], rows))
     if rep.missing:
         _output.console.print(f"not finished: {', '.join(rep.missing)}")
     _output.console.print(f"learning curves: {rep.plot}")

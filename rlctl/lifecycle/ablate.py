@@ -16,6 +16,16 @@ the budget is what the baseline cell's first seed generates in train.steps
 steps; every other run then stops at the first step whose running total
 reaches it, so token counts agree within one batch.
 
+``--budget wall-seconds|device-seconds`` compares at equal time instead: every
+run stops after the step at which its training loop's wall-clock seconds
+(``train.max_wall_seconds``, metric ``rl_seconds_total``) reach the budget --
+for device-seconds the budget divided by the devices the run's learner and
+rollout use (``devices_used``: learner processes plus rollout engines), so
+a cell on more devices gets fewer seconds. Without an amount the budget is
+what the baseline cell's first seed spends in train.steps steps. The tables
+show what each run spent: RL seconds, device-seconds, generated tokens and
+the seconds its hidden-split grading took.
+
 What this is not: the training loop (rlctl.lifecycle.train) or the bootstrap maths
 (rlctl.lifecycle.grading).
 """
@@ -26,6 +36,7 @@ import hashlib
 import itertools
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -38,6 +49,8 @@ from rlctl.hooks.manager import Plugins
 from rlctl.registry.store import Registry
 
 EVAL_NAME = "ablation"  # baseline_name of the eval rows ablate writes (the warm start vs the run's final policy)
+BUDGET_KINDS = ("tokens", "wall-seconds", "device-seconds")
+SECONDS_STEPS_FACTOR = 100  # a run on a seconds budget may take this many times train.steps steps to spend it
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +77,20 @@ class Plan:
     cells: tuple[Cell, ...]
     seeds: tuple[int, ...]
     budget_tokens: int | None
+    budget_kind: str = "tokens"  # BUDGET_KINDS
+    budget_seconds: float | None = None  # wall-seconds or device-seconds per run; None: the baseline's first seed's
 
     @property
     def baseline(self) -> Cell:
         return self.cells[0]
 
     def spec(self) -> dict[str, Any]:
-        return {"base_config": self.base.model_dump(mode="json"),
+        spec = {"base_config": self.base.model_dump(mode="json"),
                 "axes": [[a.key, list(a.values)] for a in self.axes], "cells": [c.key for c in self.cells],
                 "seeds": list(self.seeds), "budget_tokens": self.budget_tokens, "baseline": self.baseline.key}
+        if self.budget_kind != "tokens":  # a token-budget ablation keeps the spec (and hash) it always had
+            spec.update(budget_kind=self.budget_kind, budget_seconds=self.budget_seconds)
+        return spec
 
     def spec_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.spec(), sort_keys=True).encode()).hexdigest()[:32]
@@ -89,8 +107,47 @@ def parse_axis(text: str) -> Axis:
     return Axis(key=key.strip(), values=items)
 
 
-def plan(base: RunConfig, axes: Sequence[str], seeds: int, budget_tokens: int | None) -> Plan:
-    """Every cell of the matrix, each one's config validated now (a bad axis fails before any training)."""
+def parse_budget(text: str | None, budget_tokens: int | None) -> tuple[str, float | None]:
+    """``--budget KIND[=N]`` (and ``--budget-tokens N``) -> (kind, amount or None); ConfigError naming the fix."""
+    if text is None:
+        return "tokens", budget_tokens
+    kind, sep, amount = text.partition("=")
+    kind = kind.strip()
+    if kind not in BUDGET_KINDS:
+        raise ConfigError(f"--budget {text!r}: the kind must be one of {', '.join(BUDGET_KINDS)}",
+                          "e.g. --budget wall-seconds=120, or --budget device-seconds (the baseline's first seed "
+                          "sets the amount)")
+    value: float | None = None
+    if sep:
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or not math.isfinite(value):
+            raise ConfigError(f"--budget {text!r}: the amount must be a positive number",
+                              f"e.g. --budget {kind}=120")
+    if budget_tokens is not None and (kind != "tokens" or (value is not None and value != budget_tokens)):
+        raise ConfigError(f"--budget {text} and --budget-tokens {budget_tokens} name two budgets",
+                          "give one of them")
+    if kind == "tokens":
+        return kind, int(value) if value is not None else budget_tokens
+    return kind, value
+
+
+def devices_used(config: RunConfig) -> int:
+    """Devices (or processes) a run's learner and rollout hold for its RL time: the learner's ranks
+    (train.learner_options.world_size, else 1) plus its rollout engines (1 in a local mode: sync run, else
+    cluster.num_rollout_workers). device-seconds = RL wall seconds x this."""
+    ranks = int(config.train.learner_options.get("world_size", 1) or 1)
+    local_sync = config.mode == "sync" and config.cluster.backend == "local"
+    return ranks + (1 if local_sync else config.cluster.num_rollout_workers)
+
+
+def plan(base: RunConfig, axes: Sequence[str], seeds: int, budget_tokens: int | None,
+         budget: str | None = None) -> Plan:
+    """Every cell of the matrix, each one's config validated now (a bad axis fails before any training);
+    ``budget`` is ``--budget KIND[=N]`` (default: tokens, ``budget_tokens``)."""
+    kind, amount = parse_budget(budget, budget_tokens)
     parsed = tuple(parse_axis(a) for a in axes)
     if not parsed:
         raise ConfigError("rlctl ablate needs at least one --axis", "e.g. --axis algo.name=grpo,rloo")
@@ -105,7 +162,8 @@ def plan(base: RunConfig, axes: Sequence[str], seeds: int, budget_tokens: int | 
     for cell in cells:
         cell_config(base, cell, seed=base.run.seed)
     return Plan(base=base, axes=parsed, cells=cells, seeds=tuple(base.run.seed + i for i in range(seeds)),
-                budget_tokens=budget_tokens)
+                budget_tokens=int(amount) if kind == "tokens" and amount is not None else None, budget_kind=kind,
+                budget_seconds=amount if kind != "tokens" else None)
 
 
 def cell_config(base: RunConfig, cell: Cell, seed: int, extra: Sequence[str] = ()) -> RunConfig:
@@ -175,12 +233,19 @@ def _run_one(p: Plan, ablation_id: str, spec: dict[str, Any], cell: Cell, seed: 
     """Train one (cell, seed) at the budget, grade it, record it; returns the (possibly updated) spec."""
     from rlctl.lifecycle.train import TrainCallbacks, train
 
-    budget = spec.get("resolved_budget_tokens") or p.budget_tokens
     base = p.base
-    per_step = base.algo.prompts_per_step * base.algo.group_size
     extra = [f"model.path={warm_dir}", "eval.at_end=false", f"run.name={base.run.name}/{cell.key}/seed{seed}"]
-    if budget:  # one generated token per sequence per step at the least: this many steps always reach it
-        extra += [f"train.max_generated_tokens={budget}", f"train.steps={math.ceil(budget / per_step) + 1}"]
+    devices = devices_used(cell_config(base, cell, seed))
+    if p.budget_kind == "tokens":
+        budget = spec.get("resolved_budget_tokens") or p.budget_tokens
+        per_step = base.algo.prompts_per_step * base.algo.group_size
+        if budget:  # one generated token per sequence per step at the least: this many steps always reach it
+            extra += [f"train.max_generated_tokens={budget}", f"train.steps={math.ceil(budget / per_step) + 1}"]
+    else:
+        budget = spec.get("resolved_budget_seconds") or p.budget_seconds
+        if budget:  # no step count bounds a time budget: a generous cap (the table shows the seconds spent)
+            wall = budget if p.budget_kind == "wall-seconds" else budget / devices
+            extra += [f"train.max_wall_seconds={wall!r}", f"train.steps={base.train.steps * SECONDS_STEPS_FACTOR}"]
     config = cell_config(base, cell, seed, extra)
     if cb.run_start:
         cb.run_start(cell.key, seed, index, total)
@@ -204,14 +269,20 @@ def _run_one(p: Plan, ablation_id: str, spec: dict[str, Any], cell: Cell, seed: 
     finally:
         tcb.run_started = started
     run_dir = Path(result.run.run_dir)
+    graded = time.perf_counter()
     correct = _grade(config, run_dir / "policy" / "final", plugins, records)
-    _store_eval(registry, result.run.id, config, spec["warm_start_correct"], correct, ablation_id)
+    cost = {"grade_s": time.perf_counter() - graded, "devices": devices}
+    _store_eval(registry, result.run.id, config, spec["warm_start_correct"], correct, ablation_id, cost)
     store.set_run(ablation_id, cell.key, seed, status="succeeded", run_id=result.run.id, wall_s=result.wall_s)
     if cb.run_end:
         cb.run_end(cell.key, seed, "succeeded", result.wall_s)
     if not budget:
-        spent = registry.last_metrics(result.run.id).get("generated_tokens_total", (0, 0.0))[1]
-        spec = dict(spec, resolved_budget_tokens=int(spent))
+        last = registry.last_metrics(result.run.id)
+        if p.budget_kind == "tokens":
+            spec = dict(spec, resolved_budget_tokens=int(last.get("generated_tokens_total", (0, 0.0))[1]))
+        else:
+            seconds = last.get("rl_seconds_total", (0, 0.0))[1]
+            spec = dict(spec, resolved_budget_seconds=seconds * (devices if p.budget_kind == "device-seconds" else 1))
         store.update(ablation_id, spec=spec)
     return spec
 
@@ -235,9 +306,7 @@ def _grade(config: RunConfig, policy_dir: Path, plugins: Plugins, records: Seque
 
 
 def _store_eval(registry: Registry, run_id: str, config: RunConfig, warm: Sequence[int], correct: Sequence[int],
-                ablation_id: str) -> None:
-    import time
-
+                ablation_id: str, cost: Mapping[str, float]) -> None:
     from rlctl.lifecycle.grading import paired_bootstrap
 
     comp = paired_bootstrap(warm, correct, samples=config.eval.bootstrap_samples, seed=config.run.seed)
@@ -246,7 +315,7 @@ def _store_eval(registry: Registry, run_id: str, config: RunConfig, warm: Sequen
         baseline_pass_at_1=sum(warm) / len(warm), candidate_pass_at_1=sum(correct) / len(correct), diff=comp.diff,
         ci_low=comp.ci_low, ci_high=comp.ci_high, created_at=time.time(),
         details={"ablation_id": ablation_id, "correct": list(correct), "baseline_correct": list(warm),
-                 "fixed_decoding": {"temperature": 0.0, "max_tokens": config.eval.max_tokens}}))
+                 "fixed_decoding": {"temperature": 0.0, "max_tokens": config.eval.max_tokens}, **cost}))
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -260,6 +329,9 @@ class CellReport:
     pass_at_1: list[float]  # per seed, hidden split
     tokens: list[float]  # generated tokens per seed
     wall_s: list[float]
+    rl_s: list[float] = field(default_factory=list)  # the training loop's seconds per seed (rl_seconds_total)
+    device_s: list[float] = field(default_factory=list)  # rl_s x devices_used per seed
+    grade_s: list[float] = field(default_factory=list)  # seconds grading the final policy on hidden, per seed
     gain: dict[str, float] = field(default_factory=dict)  # vs the warm start, pooled over seeds
     vs_baseline: dict[str, float] = field(default_factory=dict)  # pooled over seeds
     vs_baseline_per_seed: list[dict[str, float]] = field(default_factory=list)
@@ -279,6 +351,8 @@ class AblationReport:
     cells: list[CellReport]
     missing: list[str]  # "cell seed N" not finished yet
     plot: str | None = None
+    budget_kind: str = "tokens"
+    budget_seconds: float | None = None  # wall- or device-seconds per run, with a seconds budget
 
 
 def report(registry: Registry, ablation_id: str, samples: int = 2000) -> AblationReport:
@@ -301,13 +375,18 @@ def report(registry: Registry, ablation_id: str, samples: int = 2000) -> Ablatio
             if row is None or row.status != "succeeded" or row.run_id is None:
                 missing.append(f"{cell} seed {seed}")
                 continue
-            correct = _ablation_correct(registry, row.run_id, ablation_id)
+            details = _ablation_eval(registry, row.run_id, ablation_id)
+            correct = [int(x) for x in details["correct"]]
+            last = registry.last_metrics(row.run_id)
             scores[cell][seed] = correct
             rep.seeds.append(seed)
             rep.run_ids.append(row.run_id)
             rep.pass_at_1.append(sum(correct) / len(correct))
-            rep.tokens.append(registry.last_metrics(row.run_id).get("generated_tokens_total", (0, float("nan")))[1])
+            rep.tokens.append(last.get("generated_tokens_total", (0, float("nan")))[1])
             rep.wall_s.append(row.wall_s or 0.0)
+            rep.rl_s.append(last.get("rl_seconds_total", (0, float("nan")))[1])  # nan: a run from before the metric
+            rep.device_s.append(rep.rl_s[-1] * details.get("devices", float("nan")))
+            rep.grade_s.append(details.get("grade_s", float("nan")))
         if rep.seeds:
             gain = pooled_bootstrap([(warm, scores[cell][s]) for s in rep.seeds], samples=samples)
             rep.gain = {"diff": gain.diff, "ci_low": gain.ci_low, "ci_high": gain.ci_high}
@@ -327,13 +406,16 @@ def report(registry: Registry, ablation_id: str, samples: int = 2000) -> Ablatio
     return AblationReport(ablation=ablation, baseline=base,
                           budget_tokens=spec.get("budget_tokens") or spec.get("resolved_budget_tokens"),
                           warm_start_pass_at_1=sum(warm) / len(warm) if warm else float("nan"),
-                          num_prompts=len(warm), cells=cells, missing=missing)
+                          num_prompts=len(warm), cells=cells, missing=missing,
+                          budget_kind=spec.get("budget_kind", "tokens"),
+                          budget_seconds=spec.get("budget_seconds") or spec.get("resolved_budget_seconds"))
 
 
-def _ablation_correct(registry: Registry, run_id: str, ablation_id: str) -> list[int]:
+def _ablation_eval(registry: Registry, run_id: str, ablation_id: str) -> Mapping[str, Any]:
+    """The details of the run's ablation eval: correct per prompt, grading seconds, devices."""
     for record in reversed(registry.evals(run_id)):
         if record.baseline_name == EVAL_NAME and record.details.get("ablation_id") == ablation_id:
-            return [int(x) for x in record.details["correct"]]
+            return record.details
     raise ConfigError(f"run {run_id} of ablation {ablation_id} has no ablation eval in the registry",
                       "re-run the same rlctl ablate command: it re-grades unfinished runs")
 
@@ -375,12 +457,14 @@ def _curve(registry: Registry, run_id: str, metric: str) -> list[tuple[float, fl
 
 def as_json(rep: AblationReport) -> dict[str, Any]:
     return {"ablation_id": rep.ablation.id, "status": rep.ablation.status, "baseline": rep.baseline,
-            "budget_tokens": rep.budget_tokens, "warm_start_pass_at_1": rep.warm_start_pass_at_1,
+            "budget_tokens": rep.budget_tokens, "budget_kind": rep.budget_kind,
+            "budget_seconds": rep.budget_seconds, "warm_start_pass_at_1": rep.warm_start_pass_at_1,
             "num_prompts": rep.num_prompts, "missing": rep.missing, "plot": rep.plot,
             "cells": [{"cell": c.cell, "seeds": c.seeds, "run_ids": c.run_ids, "pass_at_1": c.pass_at_1,
                        "pass_at_1_mean": c.pass_at_1_mean, "gain_vs_warm_start": c.gain,
                        "vs_baseline": c.vs_baseline, "vs_baseline_per_seed": c.vs_baseline_per_seed,
-                       "tokens": c.tokens, "wall_s": c.wall_s} for c in rep.cells]}
+                       "tokens": c.tokens, "wall_s": c.wall_s, "rl_s": c.rl_s, "device_s": c.device_s,
+                       "grade_s": c.grade_s} for c in rep.cells]}
 
 
 def summary_rows(rep: AblationReport) -> list[list[Any]]:
@@ -392,8 +476,19 @@ def summary_rows(rep: AblationReport) -> list[list[Any]]:
 
         per_seed = "  ".join(f"s{d['seed']} {d['diff']:+.3f} [{d['ci_low']:+.3f},{d['ci_high']:+.3f}]"
                              for d in c.vs_baseline_per_seed) or ("baseline" if c.cell == rep.baseline else "-")
-        tokens = f"{sum(c.tokens) / len(c.tokens):.0f} ({min(c.tokens):.0f}-{max(c.tokens):.0f})" if c.tokens else "-"
         rows.append([c.cell, f"{len(c.seeds)}", f"{c.pass_at_1_mean:.3f}" if c.seeds else "-", ci(c.gain),
-                     ci(c.vs_baseline) if c.cell != rep.baseline else "baseline", per_seed, tokens,
-                     f"{sum(c.wall_s):.0f}"])
+                     ci(c.vs_baseline) if c.cell != rep.baseline else "baseline", per_seed, _spread(c.tokens, 0),
+                     _spread(c.rl_s, 1), _spread(c.device_s, 1), _spread(c.grade_s, 1), f"{sum(c.wall_s):.0f}"])
     return rows
+
+
+SUMMARY_COLUMNS = ("tokens mean (min-max)", "RL s mean (min-max)", "device-s mean (min-max)", "eval s mean (min-max)",
+                   "wall s")
+
+
+def _spread(values: Sequence[float], digits: int) -> str:
+    """``mean (min-max)`` of the finite values, '-' when there are none."""
+    xs = [v for v in values if math.isfinite(v)]
+    if not xs:
+        return "-"
+    return f"{sum(xs) / len(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"

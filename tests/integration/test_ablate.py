@@ -91,3 +91,23 @@ def test_ablate_matrix_equal_budget_report_and_resume(home):
         rerun = {(r.cell, r.seed): r for r in AblationStore(reg).runs(out["ablation_id"])}
         assert rerun[(last.cell, last.seed)].run_id != last.run_id
         assert len(reg.list_runs(limit=100)) == 5
+
+
+@pytest.mark.slow  # two tiny runs
+def test_ablate_at_equal_device_seconds_reports_what_each_run_spent(home):
+    """--budget device-seconds without an amount: the baseline's first seed sets it (its RL seconds x its 2
+    devices, learner + rollout engine); the other cell trains until its RL seconds x devices reach it. The
+    table and the JSON carry each run's cost: RL seconds, device-seconds, tokens and grading seconds."""
+    args = ["ablate", "configs/quickstart.yaml", *OVERRIDES, "train.steps=2", "--axis", "algo.name=grpo,rloo",
+            "--seeds", "1", "--budget", "device-seconds"]
+    out = json.loads(rlctl(*args, "--json", home=home, check=True, timeout=900).stdout)
+    cells = {c["cell"]: c for c in out["cells"]}
+    base, other = cells["algo.name=grpo"], cells["algo.name=rloo"]
+    assert out["budget_kind"] == "device-seconds" and out["budget_tokens"] is None
+    assert out["budget_seconds"] == pytest.approx(base["rl_s"][0] * 2)
+    assert base["device_s"] == [pytest.approx(out["budget_seconds"])]
+    assert other["device_s"][0] >= out["budget_seconds"]  # it stopped after the step that spent the budget
+    for cell in out["cells"]:
+        assert cell["grade_s"][0] > 0 and cell["tokens"][0] > 0
+    again = rlctl(*args, home=home, check=True, timeout=900)  # every run done: the table alone
+    assert "device-seconds per run" in again.stdout and "device-s mean" in again.stdout
