@@ -143,7 +143,8 @@ def test_config_takes_a_name_or_a_name_with_options(tiny_config):
 @_needs("mlflow", "mlflow")
 @_needs("wandb", "wandb")
 def test_rlctl_train_sends_the_registry_metric_names_to_every_tracker(tmp_path, _rlctl_home, monkeypatch):
-    """Through the CLI: the trackers hold exactly the metric names and steps the registry holds."""
+    """Through the CLI: the trackers hold exactly the metric names and steps the registry holds, the periodic dev
+    eval's at the eval's step (eval.every_steps=2: step 1)."""
     import json
     from pathlib import Path
 
@@ -159,22 +160,27 @@ def test_rlctl_train_sends_the_registry_metric_names_to_every_tracker(tmp_path, 
         (tmp_path / "cache").symlink_to(_rlctl_home / "cache", target_is_directory=True)
     sinks = "train.metric_sinks=[jsonl, tensorboard, {name: mlflow, options: {experiment: e2e}}, wandb]"
     out = json.loads(rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "eval.at_end=false", sinks,
-                           "--json", home=tmp_path, check=True).stdout)
+                           "eval.every_steps=2", "eval.every_num_prompts=4", "--json", home=tmp_path,
+                           check=True).stdout)
     run_dir, run_id = Path(out["run"]["run_dir"]), out["run"]["id"]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     names = set(lines[0]["metrics"])
+    dev = {"eval_dev_pass_at_1", "eval_dev_seconds"}
     assert "reward_mean" in names and [line["step"] for line in lines] == [0, 1, 2]
+    assert set(lines[1]["metrics"]) == names | dev and not dev & names
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == names
+    assert set(acc.Tags()["scalars"]) == names | dev
     assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2]
+    assert [e.step for e in acc.Scalars("eval_dev_pass_at_1")] == [1]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
-    assert set(run.data.metrics) == names and run.data.params["config_hash"] == out["run"]["config_hash"]
+    assert set(run.data.metrics) == names | dev and run.data.params["config_hash"] == out["run"]["config_hash"]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [0, 1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_dev_pass_at_1")] == [1]
 
     (log,) = offline_logs(run_dir, run_id)
     steps = history(log)
-    assert sorted(steps) == [0, 1, 2] and set(steps[0]) == names
+    assert sorted(steps) == [0, 1, 2] and set(steps[0]) == names and set(steps[1]) == names | dev
