@@ -90,9 +90,10 @@ def plot_run(registry: Registry, run_ref: str, path: Path | None = None,
             xs, ys = [s + 1 for s, _ in xy], [v for _, v in xy]  # x: steps done, as the display counts them
             ax.plot(xs, ys, marker="o" if name.startswith(EVAL_PREFIX) else None, markersize=4, label=name)
             drawn += 1
-        if not drawn:
-            ax.text(0.5, 0.5, f"not recorded ({', '.join(group)})", ha="center", va="center",
+        if not drawn:  # e.g. kl_ref with algo.kl.coef=0, or no eval.every_steps: say so rather than drop the panel
+            ax.text(0.5, 0.5, f"{' / '.join(group)}: not recorded by this run", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8, color="grey")
+            ax.set_yticks([])
         elif len(group) > 1 or metrics:
             ax.legend(fontsize="small")
         ax.set_title(title, fontsize=9)
