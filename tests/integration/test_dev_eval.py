@@ -13,7 +13,7 @@ from tests.integration.test_cli import rlctl
 
 
 @pytest.mark.slow  # a tiny training run first
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
 def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home, mode):
     """In the plain loop and in the overlapped driver: the dev curve in the registry and in metrics.jsonl at the
     eval's steps (log_every would skip step 1), and a PNG of it from `rlctl runs plot`."""

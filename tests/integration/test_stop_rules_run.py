@@ -60,6 +60,19 @@ def test_a_length_hack_grows_the_gap_alerts_and_stops_the_run_keeping_the_best_d
     assert apart["final"]["gap"] == apart["final"]["train_reward"] - apart["final"]["eval_score"] > 0
     show = rlctl("runs", "show", run["id"], home=tmp_path, check=True).stdout
     assert "stopped by" in show and "reward_gap" in show
+    # pass@k of the same run is counted by the kept-apart grader too, and says which one
+    passk = rlctl("eval", run["id"], "--k", "1,2", "--num-prompts", "5", home=tmp_path, check=True).stdout
+    assert "graded by eval.grader math@" in " ".join(passk.split())  # the table's title, wrapped to the width
+    table = reg_eval_details(tmp_path, run["id"])["pass_at_k"]
+    assert table["grader"]["name"] == "math" and table["grader"]["version"].startswith("math@")
+    assert set(table["final"]["pass_at_k"]) == {"1", "2"}
+
+
+def reg_eval_details(home, run_id):
+    from rlctl.registry.store import Registry
+
+    with Registry.open(f"sqlite:///{home / 'registry.db'}") as reg:
+        return reg.evals(run_id)[-1].details
 
 
 @pytest.mark.slow  # a tiny training run

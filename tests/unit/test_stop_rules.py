@@ -67,3 +67,6 @@ def test_a_valid_stop_rule_config_loads():
     config = load_config(None, ["eval.every_steps=2", "eval.grader={name: math}",
                                 "train.stop_rules=[{rule: dev_drop, evals: 2}, {rule: reward_gap, max: 0.5}]"])
     assert [r.rule for r in config.train.stop_rules] == ["dev_drop", "reward_gap"]
+    for mode in ("one_step_off", "async"):  # the dev eval runs at every mode's step end
+        assert load_config(None, [f"mode={mode}", "eval.every_steps=2",
+                                  "train.stop_rules=[{rule: dev_drop}]"]).train.stop_rules[0].rule == "dev_drop"
