@@ -53,7 +53,7 @@ def ablate(config: Path = typer.Argument(..., help="YAML config, e.g. configs/qu
 
 
 def render(rep, rows) -> None:
-    from rlctl.lifecycle.ablate import SUMMARY_COLUMNS
+    from rlctl.lifecycle.ablate import COST_COLUMNS, cost_rows
 
     budget = (f"{rep.budget_tokens} generated tokens" if rep.budget_kind == "tokens"
               else f"{rep.budget_seconds:.1f} {rep.budget_kind}" if rep.budget_seconds is not None
@@ -62,7 +62,8 @@ def render(rep, rows) -> None:
                           f"split {rep.num_prompts} prompts, warm start pass@1 {rep.warm_start_pass_at_1:.3f}")
     _output.console.print(_output.table(
         None, ["cell", "seeds", "pass@1", "gain vs warm start [95% CI]", f"vs {rep.baseline} pooled [95% CI]",
-               "vs baseline per seed", *SUMMARY_COLUMNS], rows))
+               "vs baseline per seed", "tokens mean (min-max)", "wall s"], rows))
+    _output.console.print(_output.table("cost per run: mean (min-max) over seeds", COST_COLUMNS, cost_rows(rep)))
     if rep.missing:
         _output.console.print(f"not finished: {', '.join(rep.missing)}")
     _output.console.print(f"learning curves: {rep.plot}")

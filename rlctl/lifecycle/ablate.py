@@ -478,12 +478,17 @@ def summary_rows(rep: AblationReport) -> list[list[Any]]:
                              for d in c.vs_baseline_per_seed) or ("baseline" if c.cell == rep.baseline else "-")
         rows.append([c.cell, f"{len(c.seeds)}", f"{c.pass_at_1_mean:.3f}" if c.seeds else "-", ci(c.gain),
                      ci(c.vs_baseline) if c.cell != rep.baseline else "baseline", per_seed, _spread(c.tokens, 0),
-                     _spread(c.rl_s, 1), _spread(c.device_s, 1), _spread(c.grade_s, 1), f"{sum(c.wall_s):.0f}"])
+                     f"{sum(c.wall_s):.0f}"])
     return rows
 
 
-SUMMARY_COLUMNS = ("tokens mean (min-max)", "RL s mean (min-max)", "device-s mean (min-max)", "eval s mean (min-max)",
-                   "wall s")
+COST_COLUMNS = ("cell", "generated tokens", "RL s", "device-s", "hidden eval s")
+
+
+def cost_rows(rep: AblationReport) -> list[list[Any]]:
+    """What each cell's runs spent, mean (min-max) over seeds: the second CLI table."""
+    return [[c.cell, _spread(c.tokens, 0), _spread(c.rl_s, 1), _spread(c.device_s, 1), _spread(c.grade_s, 1)]
+            for c in rep.cells]
 
 
 def _spread(values: Sequence[float], digits: int) -> str:
