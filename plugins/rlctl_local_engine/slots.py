@@ -4,10 +4,10 @@ What this is: ``sample_slots``, the same contract as ``sampler.sample`` (one res
 order) run on a fixed number of decode slots. Rows are admitted in order; a row that ends (EOS, stop,
 its max tokens, abort) frees its slot, and the next queued row takes it at once while the others keep
 decoding. Each slot has its own position and its own region of a per-slot KV cache, so a row's keys
-sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once: its keys, values
-and last logits are kept until every one of its rows (the G samples) has been admitted and are copied
-into each row's slot. Once the queue is empty and at most three quarters of the slots are live, the
-batch is compacted as in ``sampler.sample``.
+sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once (32 distinct prompts per
+prefill, in call order): its keys, values and last logits are kept until every one of its rows (the G
+samples) has been admitted and are copied into each row's slot. Once the queue is empty and at most three
+quarters of the slots are live, the batch is compacted as in ``sampler.sample``.
 
 Schedule-independent samples: a row's draws come from its own stream, a counter-based hash of
 (``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. A row's
@@ -32,12 +32,15 @@ import torch
 
 from rlctl import SamplingConfig
 from rlctl.kit.algo import process_logits
-from rlctl_local_engine.sampler import _REASONS, Sampled, _LayerWeights, _eps, _normalized
+from rlctl_local_engine.sampler import _REASONS, Sampled, _LayerWeights, _eps, _left_pad, _normalized
 
 _MASK32 = 0xFFFFFFFF
 _COMPACT_AT = 0.75  # as sampler._COMPACT_AT: compact the drained batch once at most this share is live
 _MIN_ROWS = 2  # one-row products take MKL's GEMV path, whose sums differ from the GEMM rows of larger batches
 _LENGTH, _EOS, _STOP, _ABORT = range(4)  # indices into _REASONS
+# Distinct prompts are prefilled together in this many, in the order the call names them: the prefill's
+# shapes depend on the call only, never on which slots are free.
+_PREFILL_PROMPTS = 32
 
 
 @torch.no_grad()
@@ -57,21 +60,21 @@ def sample_slots(model: Any, prompts: Sequence[Sequence[int]], keys: Sequence[in
     min_len = None if min_lengths is None else torch.tensor(list(min_lengths), dtype=torch.long)
     batch = max(_MIN_ROWS, min(num_slots, n))
     dec = _SlotDecoder(model, batch, max(map(len, prompts)) + steps)
-    state = _Slots(n, batch, steps, keys, dec.vocab)
+    state = _Slots(n, batch, steps, dec.vocab)
+    streams = None if sampling.greedy else uniforms(keys, steps)  # [N, S]: row r's draw for its token t
     queue = deque(range(n))
-    prefixes: dict[tuple[int, ...], list[Any]] = {}  # prompt -> [prefix, rows of it still queued]
-    for p in map(tuple, prompts):
-        prefixes.setdefault(p, [None, 0])[1] += 1
-    state.admit(queue, prompts, prefixes, dec)
+    prefixes = _Prefixes(prompts, dec)
+    state.admit(queue, prefixes, dec)
     while True:
         live = state.row >= 0
-        tok, lp = _draw(state.logits, sampling, state.keys, state.t)
+        u = None if streams is None else streams[state.row.clamp(min=0), state.t.clamp(max=steps - 1)]
+        tok, lp = _draw(state.logits, sampling, u)
         state.record(live, tok, lp, eos_id, limit, min_len, stop_check)
         if abort is not None:
             state.abort(abort(), queue)
         if not queue and not bool((state.row >= 0).any()):
             break
-        fresh = state.admit(queue, prompts, prefixes, dec)
+        fresh = state.admit(queue, prefixes, dec)
         if not queue:
             keep = state.maybe_compact()
             if keep is not None:
@@ -86,58 +89,56 @@ def sample_slots(model: Any, prompts: Sequence[Sequence[int]], keys: Sequence[in
 class _Slots:
     """Which row each batch slot holds, its token count and pending logits; the rows' outputs."""
 
-    def __init__(self, n: int, batch: int, steps: int, keys: Sequence[int], vocab: int) -> None:
+    def __init__(self, n: int, batch: int, steps: int, vocab: int) -> None:
         self.tokens = torch.zeros((n, steps), dtype=torch.long)
         self.logps = torch.zeros((n, steps), dtype=torch.float32)
         self.lengths = torch.zeros(n, dtype=torch.long)
         self.reason = torch.full((n,), _ABORT, dtype=torch.long)  # rows never admitted stay aborted (and empty)
         self.first_end = torch.full((n,), steps + 1, dtype=torch.long)  # response end before min_len
-        self.row_keys = torch.tensor([[k & _MASK32, (k >> 32) & _MASK32] for k in keys], dtype=torch.long)  # [N, 2]
         self.row = torch.full((batch,), -1, dtype=torch.long)  # row in each slot, -1 = free
         self.t = torch.zeros(batch, dtype=torch.long)  # tokens drawn so far by the slot's row
-        self.keys = torch.zeros((batch, 2), dtype=torch.long)
         self.logits = torch.zeros((batch, vocab), dtype=torch.float32)
 
-    def admit(self, queue: deque, prompts: Sequence[Sequence[int]], prefixes: dict, dec: "_SlotDecoder"
-              ) -> torch.Tensor:
+    def admit(self, queue: deque, prefixes: "_Prefixes", dec: "_SlotDecoder") -> torch.Tensor:
         """Queued rows into free slots (lowest slot first); their first logits come from their prompt's prefill."""
         fresh = torch.zeros(self.row.numel(), dtype=torch.bool)
         for slot in (self.row < 0).nonzero().flatten().tolist():
             if not queue:
                 break
             r = queue.popleft()
-            entry = prefixes[tuple(prompts[r])]
-            if entry[0] is None:
-                entry[0] = dec.prefill(prompts[r])
-            dec.load(slot, entry[0])
-            entry[1] -= 1
-            if entry[1] == 0:
-                del prefixes[tuple(prompts[r])]
-            self.row[slot], self.t[slot], self.keys[slot] = r, 0, self.row_keys[r]
-            self.logits[slot] = entry[0][2]
+            ks, vs, logits = prefixes.take(r)
+            dec.load(slot, ks, vs)
+            self.row[slot], self.t[slot], self.reason[r] = r, 0, _LENGTH
+            self.logits[slot] = logits
             fresh[slot] = True
         return fresh
 
     def record(self, live: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, eos_id: int, limit: torch.Tensor,
                min_len: torch.Tensor | None, stop_check: Any) -> None:
         slots = live.nonzero().flatten()
-        rows, t = self.row[slots], self.t[slots]
-        self.tokens[rows, t], self.logps[rows, t] = tok[slots], lp[slots]
+        rows, t, tok = self.row[slots], self.t[slots], tok[slots]
+        self.tokens[rows, t], self.logps[rows, t] = tok, lp[slots]
         t = t + 1
         self.t[slots] = t
+        if min_len is None and stop_check is None:  # the common case: a row ends at EOS or its limit
+            eos = tok == eos_id
+            done = eos | (t >= limit[rows])
+            if bool(done.any()):
+                self.reason[rows[eos]] = _EOS
+                self.first_end[rows[eos]] = t[eos]
+                self._finish(slots[done], t[done])
+            return
         open_ = self.first_end[rows] > t  # response still running (not ended before min_len)
-        ended = (tok[slots] == eos_id) & open_
+        ended = (tok == eos_id) & open_
         if stop_check is not None:
             for j in (open_ & ~ended).nonzero().flatten().tolist():
                 if stop_check(self.tokens[rows[j], : t[j]].tolist()):
                     ended[j] = True
                     self.reason[rows[j]] = _STOP
-        self.reason[rows[ended & (tok[slots] == eos_id)]] = _EOS
+        self.reason[rows[ended & (tok == eos_id)]] = _EOS
         self.first_end[rows[ended]] = t[ended]
         done = (t >= limit[rows]) | ((self.first_end[rows] <= t) if min_len is None else
                                      ((self.first_end[rows] <= t) & (t >= min_len[rows])))
-        length_end = done & (self.first_end[rows] > t)
-        self.reason[rows[length_end]] = _LENGTH
         self._finish(slots[done], t[done])
 
     def abort(self, rows: Any, queue: deque) -> None:
@@ -170,7 +171,7 @@ class _Slots:
         keep = live.nonzero().flatten()
         if keep.numel() < _MIN_ROWS:  # pad with free slots: a one-row batch would change the kernels
             keep = torch.cat([keep, (~live).nonzero().flatten()[: _MIN_ROWS - keep.numel()]]).sort().values
-        self.row, self.t, self.keys, self.logits = self.row[keep], self.t[keep], self.keys[keep], self.logits[keep]
+        self.row, self.t, self.logits = self.row[keep], self.t[keep], self.logits[keep]
         return keep
 
     def result(self) -> Sampled:
@@ -178,6 +179,30 @@ class _Slots:
         return Sampled(tokens=[row[:k] for row, k in zip(tokens, lengths)],
                        logprobs=[row[:k] for row, k in zip(logps, lengths)],
                        reasons=[_REASONS[c] for c in self.reason.tolist()])
+
+
+class _Prefixes:
+    """Each distinct prompt's keys, values and last logits, prefilled _PREFILL_PROMPTS prompts at a time when
+    the first row of the batch is admitted, and dropped once every row of that prompt has been."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], dec: "_SlotDecoder") -> None:
+        index: dict[tuple[int, ...], int] = {}
+        self.of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        self.distinct = [list(p) for p in index]
+        self.left = [0] * len(self.distinct)
+        for u in self.of_row:
+            self.left[u] += 1
+        self.ready: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
+        self.dec = dec
+
+    def take(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        u = self.of_row[row]
+        if u not in self.ready:
+            start = u - u % _PREFILL_PROMPTS
+            batch = self.distinct[start: start + _PREFILL_PROMPTS]
+            self.ready.update(zip(range(start, start + len(batch)), self.dec.prefill(batch)))
+        self.left[u] -= 1
+        return self.ready.pop(u) if self.left[u] == 0 else self.ready[u]
 
 
 def row_key(seed: int, *parts: Any) -> int:
@@ -197,15 +222,17 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniforms(keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """One float64 in [0, 1) per row from (its 2 x 32-bit key, its token index): 53 random bits."""
-    a = _fmix(((t * 0x9E3779B9) & _MASK32) ^ keys[:, 0])
-    a = _fmix(a ^ keys[:, 1])
-    b = _fmix((a + 0x68E31DA4) & _MASK32 ^ keys[:, 0])
+def uniforms(keys: Sequence[int], steps: int) -> torch.Tensor:
+    """``[len(keys), steps]`` float64 in [0, 1): row r's draw for token t, a hash of (keys[r], t) with 53 bits."""
+    k = torch.tensor([[key & _MASK32, (key >> 32) & _MASK32] for key in keys], dtype=torch.long).view(-1, 2, 1)
+    t = torch.arange(steps, dtype=torch.long)[None]
+    a = _fmix(((t * 0x9E3779B9) & _MASK32) ^ k[:, 0])
+    a = _fmix(a ^ k[:, 1])
+    b = _fmix((a + 0x68E31DA4) & _MASK32 ^ k[:, 0])
     return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0
 
 
-def _draw(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor, t: torch.Tensor):
+def _draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor | None):
     """Per-row draws: greedy argmax, or inverse CDF of the processed distribution at the row's own uniform."""
     if sampling.greedy:
         logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
@@ -213,8 +240,7 @@ def _draw(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor, t:
     else:
         logp = torch.log_softmax(process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), dim=-1)
         cdf = logp.double().exp().cumsum(-1)  # [n, V]
-        u = uniforms(keys, t) * cdf[:, -1]
-        tok = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -250,23 +276,27 @@ class _SlotDecoder:
         self.pos = torch.zeros(slots, dtype=torch.long)  # next position to write, per slot
         self.capacity = capacity
 
-    def prefill(self, prompt: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """One prompt alone (its shape depends on nothing else): per-layer keys and values, last logits."""
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        width = ids.shape[1]
-        x = self.inner.embed_tokens(ids)  # [1, L, h]
-        cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]
-        bias = torch.zeros((width, width), dtype=x.dtype).masked_fill_(
-            ~torch.ones((width, width), dtype=torch.bool).tril(), float("-inf"))[None, None]
+    def prefill(self, prompts: Sequence[Sequence[int]]
+                ) -> list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]:
+        """Left-padded prompts together: per prompt, its per-layer keys and values (padding cut) and last logits."""
+        ids, mask = _left_pad(prompts, 0)
+        count, width = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp]
+        x = self.inner.embed_tokens(ids)  # [U, Lp, h]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [U, 1, Lp, d]
+        allowed = torch.ones((width, width), dtype=torch.bool).tril()[None] & (mask[:, None, :] == 1)
+        allowed |= torch.eye(width, dtype=torch.bool)[None]  # a pad query sees itself: no all-masked row
+        bias = torch.zeros(allowed.shape, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))[:, None]
         ks, vs = [], []
         for w in self.layers:
             x, k, v = self._layer(w, x, cos, sin, bias, None)
-            ks.append(k[0])
-            vs.append(v[0])
-        return ks, vs, self._logits(x[:, -1])[0]
+            ks.append(k)
+            vs.append(v)
+        logits = self._logits(x[:, -1])  # [U, V]
+        return [([k[u, :, width - len(p):].clone() for k in ks], [v[u, :, width - len(p):].clone() for v in vs],
+                 logits[u]) for u, p in enumerate(prompts)]
 
-    def load(self, slot: int, prefix: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]) -> None:
-        ks, vs, _ = prefix
+    def load(self, slot: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         width = ks[0].shape[1]
         for i in range(len(self.layers)):
             self.k[i][slot, :, :width] = ks[i]
@@ -304,7 +334,7 @@ class _SlotDecoder:
         qk = y[:, : heads + kv]
         qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
         q, k, v = qk[:, :heads], qk[:, heads:], y[:, heads + kv:]
-        if decode is None:  # prefill of one prompt
+        if decode is None:  # prefill
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0,
                                                                    enable_gqa=kv != heads)
             out = out.transpose(1, 2).reshape(n, q_len, heads * d)
