@@ -5,6 +5,13 @@ samples of each prompt together in one batch, returns full Trajectory records,
 and applies weight updates all-or-nothing (the new version is served only when
 every tensor is loaded and the fingerprint matches).
 
+Schedulers (option ``scheduler``): ``batch`` (default) runs each forward's rows
+together until its longest row ends; ``slots`` (slots.py) runs the whole call on
+``max_batch_sequences`` decode slots, refilling a slot as soon as its row ends,
+with a random stream per row keyed by (seed, call counter, request index, sample
+index), so the samples do not depend on the slot count and ``state()`` (the call
+counter) is all a resumed run needs.
+
 Resumable state: ``state()`` / ``load_state()`` carry the sampler's torch
 generator and the call counter (used in trajectory ids), so a resumed run
 draws exactly the samples an uninterrupted one would (rlctl.contracts.roles

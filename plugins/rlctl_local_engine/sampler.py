@@ -23,8 +23,8 @@ idle. Both decoders compute the same function as the learner's full-sequence
 forward (fp32 tolerance ~1e-6; tests/integration/test_reconcile.py checks
 1e-4), so behaviour log-probs stay equal to the learner's recompute.
 
-What this is not: continuous batching or paged attention (serving engines do
-that; see the sglang plugin).
+What this is not: continuous batching (slots.py, ``scheduler: slots``) or paged
+attention (serving engines do that; see the sglang plugin).
 """
 
 from __future__ import annotations

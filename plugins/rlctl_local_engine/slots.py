@@ -10,14 +10,15 @@ samples) has been admitted and are copied into each row's slot. Once the queue i
 quarters of the slots are live, the batch is compacted as in ``sampler.sample``.
 
 Schedule-independent samples: a row's draws come from its own stream, a counter-based hash of
-(``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. A row's
-logits do not depend on which other rows share its forward where the matmul kernels are batch-invariant:
-the decoder multiplies by pre-transposed weights with at least 2 rows and attends over the whole cache
-width, which on CPU/MKL gave bit-equal rows for every batch size at the tiny shapes
-(tests/unit/test_slot_engine.py checks different slot counts give identical tokens and log-probs). Where a kernel is not batch-invariant (larger hidden sizes on some
-BLAS builds) logits differ by fp32 rounding, so a draw changes only if it lands within rounding of a CDF
-boundary. The same requests, slot count and keys always give the same schedule, so a resumed run is
-bitwise equal to a straight one.
+(``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. Prefill
+batches depend on the call only. A row's decode logits do not depend on which other rows share its forward
+where the matmul kernels are batch-invariant: the decoder multiplies by pre-transposed weights with at
+least 2 rows and attends over the whole cache width, which on CPU/MKL gave bit-equal rows for every batch
+size at the tiny shapes (tests/unit/test_slot_engine.py checks that different slot counts give identical
+tokens and log-probs). Where a kernel is not batch-invariant (hidden 896 was not, for x @ W on this
+MKL build; GPUs untested) logits differ by fp32 rounding, so a draw changes only if it lands within
+rounding of a CDF boundary. The same requests, slot count and keys always give the same schedule, so a
+resumed run is bitwise equal to a straight one whatever the kernels.
 
 What this is not: paged attention (the per-slot cache is sized for the call's longest prompt + max tokens)
 nor the HF generic path (models off the fast path use ``scheduler: batch``).
