@@ -21,11 +21,27 @@ same run; the roofline for the model is that divided by its FLOPs per generated 
 
 Every figure is a median over ``--repeats`` interleaved repeats (the machine is shared); ratios are taken in
 the same run.
+
+``--mode slots``: the slot scheduler (``rollout.options.scheduler: slots``) vs the batch scheduler (today's
+default) vs ``model.generate``, on the random-weight Qwen2 shapes of bench/_shapes.py (``--shapes``):
+
+a. Long tail: ``--prompts`` x ``--group`` rows whose lengths follow a Pareto(``--alpha``, min 4) capped at
+   ``--cap`` new tokens. The lengths are the distribution's quantiles at (i + 0.5) / N (so the longest rows
+   do reach the cap), shuffled with seed 0, and each row gets its length as a fixed max_tokens with EOS
+   ignored (an untrained model's EOS would end most rows within a few dozen tokens, and the bench is about
+   the schedule, not the model). batch = ``sampler.sample`` with all rows in one forward (the engine's
+   default max_batch_sequences 512): the call lasts as long as its longest row, finished rows leave the
+   batch at 75 % live. slots S = ``slots.sample_slots`` on S slots. generate = ``model.generate`` to the cap
+   (it has no per-row length): its padding past a row's length is waste. tokens/s = sum of the row lengths
+   / time for every case.
+b. Equal lengths: every row generates ``--new-tokens`` tokens (EOS ignored), 16 prompts x 8 samples (the
+   prefill of a prompt shared by its 8 rows) and 128 distinct prompts x 1; slots = as many slots as rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -45,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--long-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,16,128")
+    p.add_argument("--mode", choices=("default", "slots"), default="default")
+    p.add_argument("--shapes", default="tiny,small", help="--mode slots: bench/_shapes.py shapes")
+    p.add_argument("--slots", default="32,64", help="--mode slots: slot counts for the long tail")
+    p.add_argument("--prompts", type=int, default=32, help="--mode slots: long-tail prompts")
+    p.add_argument("--group", type=int, default=8, help="--mode slots: long-tail samples per prompt")
+    p.add_argument("--alpha", type=float, default=1.2, help="--mode slots: Pareto tail index")
+    p.add_argument("--cap", type=int, default=256, help="--mode slots: longest response")
     return p.parse_args(argv)
 
 
@@ -158,10 +181,108 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
     return ids, mask
 
 
+def pareto_lengths(n: int, alpha: float, cap: int, minimum: int = 4) -> list[int]:
+    """The Pareto(alpha, minimum) quantiles at (i + 0.5) / n, capped, in a seed-0 shuffled order."""
+    import random
+
+    lengths = [min(cap, math.ceil(minimum * (1 - (i + 0.5) / n) ** (-1 / alpha))) for i in range(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
+
+
+def slot_cases(model: Any, tok: Any, rows: list[list[int]], lengths: list[int], slot_counts: list[int],
+               repeats: int) -> dict[str, float]:
+    from transformers import GenerationConfig
+
+    from rlctl.contracts.types import SamplingConfig
+    from rlctl_local_engine.sampler import sample
+    from rlctl_local_engine.slots import row_key, sample_slots
+
+    cap = max(lengths)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=cap)
+    keys = [row_key(0, 1, i) for i in range(len(rows))]
+    ids, mask = _left_pad(rows, tok.pad_token_id)
+    gen_cfg = GenerationConfig(do_sample=True, max_new_tokens=cap, min_new_tokens=cap, temperature=1.0, top_k=0,
+                               top_p=1.0, pad_token_id=tok.pad_token_id, eos_token_id=None)
+    work = sum(lengths)
+
+    def checked(out: Any) -> int:
+        assert [len(t) for t in out.tokens] == lengths, "a row did not run to its own length"
+        return work
+
+    cases: dict[str, Callable[[], int]] = {
+        "batch": lambda: checked(sample(model, rows, sampling, eos_id=-1, pad_id=tok.pad_token_id,
+                                        generator=torch.Generator().manual_seed(0), max_lengths=lengths)),
+    }
+
+    def chunked(size: int) -> int:  # the engine with max_batch_sequences = size: forwards of size rows, in order
+        for start in range(0, len(rows), size):
+            out = sample(model, rows[start: start + size], sampling, eos_id=-1, pad_id=tok.pad_token_id,
+                         generator=torch.Generator().manual_seed(0), max_lengths=lengths[start: start + size])
+            assert [len(t) for t in out.tokens] == lengths[start: start + size]
+        return work
+
+    for s in slot_counts:
+        if s < len(rows):
+            cases[f"batch {s}"] = lambda s=s: chunked(s)
+        cases[f"slots {s}"] = lambda s=s: checked(sample_slots(model, rows, keys, sampling, eos_id=-1, num_slots=s,
+                                                               max_lengths=lengths))
+
+    def generate() -> int:
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        return work
+
+    cases["generate"] = generate
+    return _interleave(cases, repeats)
+
+
+def slots_main(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from _shapes import SHAPES, build_model_dir
+    from rlctl.models.load import load_policy
+
+    tmp = Path(tempfile.mkdtemp(prefix="slot-bench-"))
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    n = args.prompts * args.group
+    lengths = pareto_lengths(n, args.alpha, args.cap)
+    print(f"\nslots vs batch vs model.generate; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+          f"median of {args.repeats}, load average at start {os.getloadavg()[0]:.2f}")
+    print(f"long tail: {args.prompts} prompts x {args.group} = {n} rows, Pareto(alpha {args.alpha}, min 4) capped "
+          f"at {args.cap}: mean {statistics.fmean(lengths):.1f}, median {statistics.median(lengths):.0f}, "
+          f"max {max(lengths)}, {sum(x == args.cap for x in lengths)} rows at the cap; EOS ignored")
+    print(f"\n{'shape':>6}{'workload':>22}{'scheduler':>12}{'tokens/s':>10}{'x batch':>9}{'x batch S':>11}"
+          f"{'x generate':>12}")
+    for shape in args.shapes.split(","):
+        model_dir, params = build_model_dir(shape, tmp)
+        model, tok = load_policy(model_dir)
+        prompts = [tok(f"{i} + {3 * i + 7} = ")["input_ids"] for i in range(128)]
+        label = f"{shape} ({SHAPES[shape]['hidden_size']}h {SHAPES[shape]['num_hidden_layers']}L {params / 1e6:.2f}M)"
+        print(label)
+        rows = [prompts[i] for i in range(args.prompts) for _ in range(args.group)]
+        _slot_rows(shape, "long tail", slot_cases(model, tok, rows, lengths, slot_counts, args.repeats))
+        for workload, rows in ((f"16 x 8, {args.new_tokens} tokens", [prompts[i] for i in range(16) for _ in range(8)]),
+                               (f"128 x 1, {args.new_tokens} tokens", prompts[:128])):
+            r = slot_cases(model, tok, rows, [args.new_tokens] * len(rows), [len(rows)], args.repeats)
+            _slot_rows(shape, workload, r)
+    return 0
+
+
+def _slot_rows(shape: str, workload: str, r: dict[str, float]) -> None:
+    """One line per scheduler: x batch = vs all rows in one forward; x batch S = vs forwards of S rows."""
+    for name, rate in r.items():
+        same = r.get(f"batch {name.split()[-1]}") if name.startswith("slots") else None
+        vs_chunked = f"{rate / same:>11.2f}" if same else f"{'':>11}"
+        print(f"{shape:>6}{workload:>22}{name:>12}{rate:>10,.0f}{rate / r['batch']:>9.2f}{vs_chunked}"
+              f"{rate / r['generate']:>12.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
+    if args.mode == "slots":
+        return slots_main(args)
     tmp = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     model, tok, shape, prompts = tiny_model(tmp)
     peak = gemm_flops(args.repeats)

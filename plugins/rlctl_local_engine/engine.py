@@ -5,6 +5,13 @@ samples of each prompt together in one batch, returns full Trajectory records,
 and applies weight updates all-or-nothing (the new version is served only when
 every tensor is loaded and the fingerprint matches).
 
+Schedulers (option ``scheduler``): ``batch`` (default) runs each forward's rows
+together until its longest row ends; ``slots`` (slots.py) runs the whole call on
+``max_batch_sequences`` decode slots, refilling a slot as soon as its row ends,
+with a random stream per row keyed by (seed, call counter, request index, sample
+index), so the samples do not depend on the slot count and ``state()`` (the call
+counter) is all a resumed run needs.
+
 Resumable state: ``state()`` / ``load_state()`` carry the sampler's torch
 generator and the call counter (used in trajectory ids), so a resumed run
 draws exactly the samples an uninterrupted one would (rlctl.contracts.roles
@@ -37,7 +44,8 @@ from rlctl.kit import (
     placed, resolve_device,
 )
 from rlctl_local_engine.options import LocalEngineOptions
-from rlctl_local_engine.sampler import sample
+from rlctl_local_engine.sampler import fast_path_supported, sample
+from rlctl_local_engine.slots import row_key, sample_slots
 
 
 class LocalEngine:
@@ -53,6 +61,11 @@ class LocalEngine:
         self.tokenizer_hash = ctx.tokenizer_hash
         self.policy_version = ctx.policy_version
         self.fingerprint = fingerprint(self.model.state_dict())
+        if self.options.scheduler == "slots" and not fast_path_supported(self.model):
+            raise ConfigError(f"rollout.options.scheduler: slots needs an fp32 Llama/Qwen2-shaped model (the static-"
+                              f"cache fast path); {ctx.model_dir} is not one",
+                              "set rollout.options.scheduler: batch for this model")
+        self._seed = ctx.seed
         self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
@@ -71,6 +84,9 @@ class LocalEngine:
         cap = self.rows_per_forward(requests)
         self._reload_weights()
         try:
+            if self.options.scheduler == "slots":  # one call: the slots bound the rows decoded at once
+                whole = [(k, req, range(req.group_size)) for k, req in enumerate(requests)]
+                return self._generate_chunk(whole, cancelled, slots=cap)
             out: list[Trajectory] = []
             for chunk in _chunks(requests, cap):
                 out.extend(self._generate_chunk(chunk, cancelled))
@@ -133,8 +149,10 @@ class LocalEngine:
             self._offloaded = False
 
     def _generate_chunk(self, chunk: Sequence[tuple[int, RolloutRequest, range]],
-                        cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
-        """One forward over ``chunk``: (index into the call's requests, request, its group indices here)."""
+                        cancelled: Callable[[], Collection[int]] | None = None, slots: int | None = None
+                        ) -> list[Trajectory]:
+        """One forward over ``chunk``: (index into the call's requests, request, its group indices here); with
+        ``slots``, the whole call on that many decode slots, row (k, g) drawing from stream (seed, call, k, g)."""
         sampling = chunk[0][1].sampling
         if any(r.sampling != sampling for _, r, _ in chunk):
             raise RoleError("one generate() call mixes sampling configs", "split the requests by sampling config")
@@ -143,10 +161,16 @@ class LocalEngine:
         prompts = [list(r.prompt_tokens) for _, r, gs in chunk for _ in gs]
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
         abort = _chunk_abort(chunk, cancelled)
+        tail = self._tail_lengths(len(prompts), sampling.max_tokens)
         with placed(self.device):  # prompt, cache and sampling tensors live beside the model
-            result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
-                            pad_id=self.tokenizer.pad_token_id, generator=self._generator, stop_check=stop_check,
-                            abort=abort, min_lengths=self._tail_lengths(len(prompts), sampling.max_tokens))
+            if slots is not None:
+                keys = [row_key(self._seed, self._calls, k, g) for k, _, gs in chunk for g in gs]
+                result = sample_slots(self.model, prompts, keys, sampling, eos_id=self.tokenizer.eos_token_id,
+                                      num_slots=slots, stop_check=stop_check, abort=abort, min_lengths=tail)
+            else:
+                result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
+                                pad_id=self.tokenizer.pad_token_id, generator=self._generator,
+                                stop_check=stop_check, abort=abort, min_lengths=tail)
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         trajectories = []
         row = 0

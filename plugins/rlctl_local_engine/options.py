@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlctl.contracts.types import RolloutMemory
@@ -15,6 +17,12 @@ class LocalEngineOptions(BaseModel):
                         "KV cache and sampling run: auto (the first GPU when CUDA is usable, else CPU), cpu, cuda or "
                         "cuda:N. Asking for cuda where there is none is an error.")
     max_batch_sequences: int = Field(512, ge=1, description="Rows per forward; larger requests are chunked by prompt.")
+    scheduler: Literal["batch", "slots"] = Field(
+        "batch", description="batch: each forward's rows start together and the forward lasts as long as its "
+        "longest row. slots: continuous batching on max_batch_sequences decode slots (fewer when kv_cache_budget "
+        "caps them); a row that ends frees its slot for the next queued one, each row draws from its own random "
+        "stream (seed, call, request, sample index), so samples do not depend on the slot count. slots needs an "
+        "fp32 Llama/Qwen2-shaped model (the static-cache fast path).")
     kv_cache_budget: int | float | None = Field(
         None, description="Device memory the KV cache of one forward may use: bytes (an int, or a size such as "
         "'2GiB' or '512MiB') or a fraction in (0, 1) of the device's total memory (CUDA only). Rows per forward "

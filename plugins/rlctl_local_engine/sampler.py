@@ -23,8 +23,8 @@ idle. Both decoders compute the same function as the learner's full-sequence
 forward (fp32 tolerance ~1e-6; tests/integration/test_reconcile.py checks
 1e-4), so behaviour log-probs stay equal to the learner's recompute.
 
-What this is not: continuous batching or paged attention (serving engines do
-that; see the sglang plugin).
+What this is not: continuous batching (slots.py, ``scheduler: slots``) or paged
+attention (serving engines do that; see the sglang plugin).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Sampled:
 @torch.no_grad()
 def sample(model: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, eos_id: int,
            pad_id: int, generator: torch.Generator, stop_check: Any = None, fast: bool = True,
-           abort: Any = None, min_lengths: Sequence[int] | None = None) -> Sampled:
+           abort: Any = None, min_lengths: Sequence[int] | None = None,
+           max_lengths: Sequence[int] | None = None) -> Sampled:
     """Sample one response per row of ``prompts`` (callers repeat a prompt G times).
 
     ``fast=False`` forces the generic Hugging Face path (tests and benchmarks compare the two).
@@ -64,14 +65,15 @@ def sample(model: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfi
     ``prompts``) to stop now; they end with TerminalReason.ABORT, and sampling ends once no row is live.
     ``min_lengths`` keeps row i decoding for at least that many positions even after its response
     ended (a long-tailed workload with real decode work); what follows the end is discarded, so
-    the returned responses and log-probs are those of a plain run.
+    the returned responses and log-probs are those of a plain run. ``max_lengths`` ends row i after that
+    many tokens (TerminalReason.LENGTH; benchmarks give rows lengths of their own).
     """
     steps = sampling.max_tokens
     unique, expand = _dedupe(prompts)  # the G copies of a prompt are prefilled once
     ids, mask = _left_pad(unique, pad_id)  # [U, Lp]
     decoder = _LlamaDecoder(model, ids, mask, expand, steps) if fast and fast_path_supported(model) else \
         _HFDecoder(model, ids, mask, expand)
-    out = _Rows(len(prompts), steps, pad_id, min_lengths)
+    out = _Rows(len(prompts), steps, pad_id, min_lengths, max_lengths)
     logits = decoder.prefill()  # [N, V]
     for t in range(steps):
         tok, lp = _draw(logits, sampling, generator)  # [n], [n]
@@ -92,7 +94,8 @@ class _Rows:
     """Per-row outputs. Rows of the running batch write one column per step; finished rows stay (ignored)
     until compaction moves their history to the output and drops them from the batch."""
 
-    def __init__(self, n: int, steps: int, pad_id: int, min_lengths: Sequence[int] | None = None) -> None:
+    def __init__(self, n: int, steps: int, pad_id: int, min_lengths: Sequence[int] | None = None,
+                 max_lengths: Sequence[int] | None = None) -> None:
         self.tokens = torch.full((n, steps), pad_id, dtype=torch.long)  # [N, S] by original row
         self.logps = torch.zeros((n, steps), dtype=torch.float32)
         self.lengths = torch.full((n,), steps, dtype=torch.long)
@@ -103,6 +106,7 @@ class _Rows:
         self.num_live = n
         self.min_len = None if min_lengths is None else torch.tensor(list(min_lengths), dtype=torch.long)  # [N]
         self.first_end = torch.full((n,), steps + 1, dtype=torch.long)  # [N]: response end seen before min_len
+        self.max_len = None if max_lengths is None else torch.tensor(list(max_lengths), dtype=torch.long)  # [N]
 
     def record(self, t: int, tok: torch.Tensor, lp: torch.Tensor, eos_id: int, stop_check: Any) -> None:
         self.batch_tokens[:, t] = tok
@@ -123,6 +127,9 @@ class _Rows:
                 if stop_check(self.batch_tokens[j, : t + 1].tolist()):
                     finished[j], ended = True, True
                     self.reason[self.rows[j]] = 2
+        if self.max_len is not None:
+            capped = self.live & ~finished & (t + 1 >= self.max_len[self.rows])  # reason stays LENGTH
+            finished, ended = finished | capped, ended or bool(capped.any())
         if ended:
             self.lengths[self.rows[finished]] = t + 1
             self.live &= ~finished

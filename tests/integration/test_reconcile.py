@@ -19,13 +19,18 @@ def _session(plugins, tmp_home, extra):
 _rollout_batch = rollout_batch
 
 
+# The local engine's slot scheduler (3 slots: groups of 4 split across slots, refilled mid-call) as well.
+SLOTS = ["rollout.options.scheduler=slots", "rollout.options.max_batch_sequences=3"]
+
+
+@pytest.mark.parametrize("scheduler", [[], SLOTS], ids=["batch", "slots"])
 @pytest.mark.parametrize("sampling", [
     [],
     ["rollout.temperature=0.7", "rollout.top_k=8", "rollout.top_p=0.9"],
     ["rollout.temperature=1.3", "rollout.top_p=0.8"],
 ])
-def test_behaviour_logprobs_match_learner_recompute(plugins, _rlctl_home, tiny_policy_dir, sampling):
-    session = _session(plugins, _rlctl_home, sampling)
+def test_behaviour_logprobs_match_learner_recompute(plugins, _rlctl_home, tiny_policy_dir, sampling, scheduler):
+    session = _session(plugins, _rlctl_home, sampling + scheduler)
     trajectories, batch = _rollout_batch(session)
     assert all(t.verify() for t in trajectories)
     learner = session.learner.logprobs(batch)  # [N, T]

@@ -166,6 +166,28 @@ def test_sigkill_in_step_10_or_11_then_resume_matches_a_straight_run(home, tmp_p
     assert kinds.count("resumed") == 1 and kinds[-1] == "finished"
 
 
+# The slot scheduler (per-row streams, continuous batching) and packed micro-batches keep the run bitwise
+# reproducible: 5 slots split the 4-sample groups across slots, 128-token micro-batches pack several rows.
+SLOTS = ("rollout.options.scheduler=slots", "rollout.options.max_batch_sequences=5")
+PACKED = ("train.micro_batch_tokens=128",)
+
+
+@pytest.mark.parametrize("overrides", [SLOTS, PACKED, SLOTS + PACKED], ids=["slots", "packed", "slots-packed"])
+def test_sigkill_with_slots_or_packing_then_resume_matches_a_straight_run(home, tmp_path, overrides):
+    straight_dir = tmp_path / "straight"
+    train(home, straight_dir, "checkpoint.every_steps=5", *overrides)
+    killed = tmp_path / "killed"
+    proc = spawn(home, killed, "checkpoint.every_steps=5", *overrides)
+    wait_for_step(proc, killed, 11)  # step 10 checkpointed; killed within step 12
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
+    out = json.loads(resume(home, killed).stdout)
+    assert out["run"]["status"] == "succeeded" and out["first_step"] in (10, 15), out["first_step"]
+    assert_same_params(straight_dir, killed)
+    assert_same_history(home, straight_dir, killed, 20)
+
+
 # -- SIGKILL at the write boundaries of the commit protocol, then corruption ----------------------------
 
 CHAIN = ("checkpoint.every_steps=4", "checkpoint.keep_last=1")
