@@ -219,11 +219,17 @@ def interleave(cases: dict[str, Callable[[], int]], repeats: int, expected: int)
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def grpo_steps(model: Path, home: Path, backend: str, args: argparse.Namespace, url: str | None) -> float:
-    """Median seconds of rlctl's whole GRPO step with ``backend`` (steps after the first)."""
+def grpo_steps(model: Path, home: Path, backend: str, args: argparse.Namespace,
+               url: str | None) -> tuple[float, str]:
+    """Median seconds of rlctl's whole GRPO step with ``backend`` (steps after the first), and the medians of
+    the step's own timers T_r (rollout) / T_l (learner) / T_s (weight sync)."""
+    from dataclasses import replace
+
     from grpo_vs_trl import RlctlStepper
 
     from rlctl.config.load import load_config
+    from rlctl.engine.loop import run_sync
+    from rlctl.engine.spec import LoopSpec
 
     overrides = [f"model.path={model}", "model.warm_start.steps=0", "model.warm_start.target_dev_accuracy=null",
                  "algo.prompts_per_step=4", "algo.group_size=4", "algo.micro_batch_size=16",
@@ -233,13 +239,21 @@ def grpo_steps(model: Path, home: Path, backend: str, args: argparse.Namespace, 
     if backend == "vllm":
         overrides.append("rollout.options=" + json.dumps({"servers": [url]}))
     config = load_config(REPO / "configs" / "quickstart.yaml", overrides)
-    stepper = RlctlStepper(config, home)
+    session = RlctlStepper(config, home).session
+    times: list[float] = []
+    parts: dict[str, list[float]] = {"T_r": [], "T_l": [], "T_s": []}
     try:
-        for _ in range(args.steps):
-            stepper.step()
+        for step in range(args.steps):
+            started = time.perf_counter()
+            metrics = run_sync(session, replace(LoopSpec.from_config(config), steps=step + 1), [], start_step=step)
+            times.append(time.perf_counter() - started)
+            for key in parts:
+                parts[key].append(float(metrics.get(key, float("nan"))))
     finally:
-        stepper.session.rollout.close()
-    return statistics.median(stepper.times[1:] or stepper.times)
+        session.rollout.close()
+    keep = slice(1, None) if len(times) > 1 else slice(None)
+    detail = "/".join(f"{statistics.median(v[keep]):.2f}" for v in parts.values())
+    return statistics.median(times[keep]), detail
 
 
 def bench_shape(shape: str, args: argparse.Namespace, root: Path, cpus: list[int]) -> list[dict[str, Any]]:
@@ -268,12 +282,14 @@ def bench_shape(shape: str, args: argparse.Namespace, root: Path, cpus: list[int
             out.append({"shape": label, "workload": name, "unit": "tok/s", **rates})
             print(f"{label} {name}: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()), flush=True)
         if args.steps:
-            times = {"local": grpo_steps(path, root / "home", "local", args, None)}
-            if server is not None:
-                times["vllm"] = grpo_steps(path, root / "home", "vllm", args, server.url)
-            out.append({"shape": label, "workload": f"GRPO step (4 x 4, {args.step_tokens} tokens)", "unit": "s",
-                        **times})
-            print(f"{label} GRPO step: " + ", ".join(f"{k} {v:.2f}s" for k, v in times.items()), flush=True)
+            times, details = {}, {}
+            for backend in ("local", "vllm") if server is not None else ("local",):
+                times[backend], details[backend] = grpo_steps(path, root / "home", backend, args,
+                                                              server.url if server else None)
+            out.append({"shape": label, "workload": f"GRPO step (4 x 4, {args.step_tokens} tokens), s; "
+                        "T_r/T_l/T_s", "unit": "s", **times, "details": details})
+            print(f"{label} GRPO step: " + ", ".join(f"{k} {v:.2f}s ({details[k]})" for k, v in times.items()),
+                  flush=True)
     finally:
         if server is not None:
             server.close()
@@ -287,7 +303,7 @@ def render(rows: list[dict[str, Any]], engines: list[str], caption: str) -> tupl
         if engine not in row:
             return ["-", "-"] if engine != "local" else ["-"]
         value = row[engine]
-        shown = f"{value:,.0f}" if row["unit"] == "tok/s" else f"{value:.2f} s"
+        shown = f"{value:,.0f}" if row["unit"] == "tok/s" else f"{value:.2f} s ({row['details'][engine]})"
         if engine == "local":
             return [shown]
         ratio = value / row["local"] if row["unit"] == "tok/s" else row["local"] / value  # > 1: faster
