@@ -44,7 +44,14 @@ with a real SGLang server this backend refuses top_p < 1 or top_k > 0 instead
 of training on biased ratios. ``rlctl serve rollout`` reports
 ``logprobs: sampled-distribution`` and may use any sampling config.
 
-What this is not: a launcher for servers (start them yourself, see README.md).
+Servers: ``servers: [URL, ...]`` attaches to running ones; a ``launch``
+block starts them (``rlctl.kit.EngineServers``, the same launcher as the
+vllm plugin's: own process group, parent-death signal, CPU / GPU pinning,
+logs under the run directory, stopped at exit / Ctrl-C / SIGTERM) with
+``python -m sglang.launch_server`` (or ``launch.command``, e.g. ``rlctl
+serve rollout``). A launched server that exits is restarted on its port and
+resynced before it gets work (``rollout_server_lost``,
+``rollout_server_restarted``).
 """
 
 from __future__ import annotations
@@ -63,13 +70,24 @@ from typing import Any, Mapping, Sequence
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, SamplingConfig, TerminalReason
 from rlctl.kit import (
-    Broadcaster, PublishReport, SyncOptions, await_confirmation, eos_token_ids, fault_site, report_recovery,
-    weight_transport,
+    Broadcaster, EngineServers, PublishReport, SyncOptions, await_confirmation, eos_token_ids, fault_site,
+    report_recovery, weight_transport,
 )
 from rlctl_sglang.client import ServerClient, ServerError
-from rlctl_sglang.options import SGLangOptions
+from rlctl_sglang.options import SGLANG_INSTALL, SGLangLaunch, SGLangOptions
 
 RLCTL_LOGPROBS = "sampled-distribution"
+SGLANG_COMMAND = ("{python}", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "127.0.0.1",
+                  "--port", "{port}")
+
+
+def launch_argv(launch: SGLangLaunch, model_dir: str) -> list[str]:
+    """The command of one launched server (``{port}`` and the pinning filled in per server)."""
+    if launch.command is None and not Path(launch.python).exists():
+        raise RoleError(f"rollout.options.launch.python {launch.python!r} does not exist",
+                        f"install SGLang in its own venv: `{SGLANG_INSTALL}`, point launch.python at its "
+                        "interpreter, or set launch.command (e.g. to `rlctl serve rollout`)")
+    return launch.argv(SGLANG_COMMAND, model_dir)
 
 
 class SGLangRollout:
@@ -80,8 +98,14 @@ class SGLangRollout:
         self.policy_version = ctx.policy_version
         self.tokenizer_hash = ctx.tokenizer_hash
         self.eos_ids = eos_token_ids(ctx.model_dir)
+        self.engines: EngineServers | None = None
+        urls = options.servers or []
+        if options.launch is not None:
+            self.engines = options.launch.servers(launch_argv(options.launch, str(ctx.model_dir)),
+                                                  name="SGLang").start()
+            urls = self.engines.urls
         api_key = os.environ.get(options.api_key_env) or None
-        self.clients = [ServerClient(url, options.timeout_s, api_key) for url in options.servers]
+        self.clients = [ServerClient(url, options.timeout_s, api_key) for url in urls]
         self._own_dir = options.publish_dir is None
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
         extra = [Path(ctx.model_dir) / n for n in ("config.json", "generation_config.json")]
@@ -98,11 +122,15 @@ class SGLangRollout:
         self._fenced: set[str] = set()  # urls of unreachable servers left out of weight syncs until they answer
         self._refused: set[str] = set()  # published locations a server refused (damaged): rewritten before a retry
         self._pending: WeightUpdate | None = None  # the update being synced, to rewrite a refused version
-        for client in self.clients:
-            self._kinds[client.url] = self._kind(client.model_info())
-        self._check_servers_support_options()
-        if options.sync_on_start:
-            self._sync_all(str(ctx.model_dir), None)
+        try:
+            for client in self.clients:
+                self._kinds[client.url] = self._kind(client.model_info())
+            self._check_servers_support_options()
+            if options.sync_on_start:
+                self._sync_all(str(ctx.model_dir), None)
+        except BaseException:
+            self.close()
+            raise
 
     # -- servers ---------------------------------------------------------------------
 
@@ -257,6 +285,8 @@ class SGLangRollout:
         """Indices of servers that answer and serve the current version (resyncing the ones that do not)."""
         ready = []
         for i, client in enumerate(self.clients):
+            if self.engines is not None and not self.engines.alive(i):
+                self._restart(i, client)
             ok, _ = self._confirm(client, str(self.policy_version), self.fingerprint)
             if not ok and client.healthy():
                 try:
@@ -270,6 +300,27 @@ class SGLangRollout:
             if ok:
                 ready.append(i)
         return ready
+
+    def _restart(self, i: int, client: ServerClient) -> None:
+        """A launched server exited: start it again on its port (the resync in _ready_servers follows)."""
+        report_recovery("rollout_server_lost", f"launched SGLang server {client.url} exited; restarting it",
+                        {"server": client.url, "log": str(self.engines.log_path(i))})
+        started = time.monotonic()
+        try:
+            self.engines.restart(i)
+        except RoleError as err:
+            report_recovery("rollout_server_fenced", f"{client.url} did not come back: {err}", {"server": client.url})
+            return  # not ready: its groups go to the others, or the step waits for reconnect_timeout_s
+        report_recovery("rollout_server_restarted", f"{client.url} restarted in {time.monotonic() - started:.1f}s; "
+                        f"resynced to weight version {self.policy_version} before it serves",
+                        {"server": client.url, "version": self.policy_version})
+
+    def use_run_dir(self, run_dir: str) -> None:
+        """RunDirAware: move the launched servers' logs to ``<run_dir>/engines/`` (open logs keep writing there;
+        across file systems a link there points at them instead)."""
+        if self.engines is None:
+            return
+        self.engines.move_logs(Path(run_dir) / "engines")
 
     # -- RolloutBackend ------------------------------------------------------------------
 
@@ -365,6 +416,8 @@ class SGLangRollout:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.engines is not None:
+            self.engines.stop()
         if self._own_dir:
             shutil.rmtree(self.broadcaster.transport.root, ignore_errors=True)
 

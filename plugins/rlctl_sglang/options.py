@@ -7,7 +7,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
-from rlctl.kit import server_urls
+from rlctl.kit import EngineLaunch, server_urls
+
+
+SGLANG_INSTALL = "python3 -m venv .venv-sglang && .venv-sglang/bin/pip install 'sglang[all]'"
+
+
+class SGLangLaunch(EngineLaunch):
+    """``rollout.options.launch``: rlctl starts the SGLang servers itself (the shared fields: ``rlctl.kit.EngineLaunch``)."""
+
+    python: str = Field(".venv-sglang/bin/python", description="Interpreter of the venv SGLang is installed in "
+                        f"(relative paths from the working directory). Install: `{SGLANG_INSTALL}` (needs a GPU).")
+    engine_args: list[str] = Field(default_factory=list, description="Extra arguments of "
+                                   "`python -m sglang.launch_server`, e.g. [--mem-fraction-static, '0.5'].")
+    port_range: tuple[int, int] = Field((30000, 30099), description="Ports tried on 127.0.0.1, lowest first.")
 
 
 class SGLangOptions(BaseModel):
@@ -16,12 +29,27 @@ class SGLangOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
-        """The servers hold the weights and KV cache in their own processes."""
-        return RolloutMemory(in_process=False, max_rows=None)
+        """The servers hold the weights and KV cache in their own processes; a launch block on a GPU plan takes
+        --mem-fraction-static of each GPU (SGLang's default 0.88 when the engine args do not set it)."""
+        if self.launch is None:
+            return RolloutMemory(in_process=False, out_of_process=True)
+        terms = {"in_process": False, "out_of_process": True, "servers": self.launch.num_servers}
+        if not gpu_plan:
+            return RolloutMemory(**terms, server_budget_source="the workload (SGLang sizes its KV pool on GPUs)")
+        args, fraction = self.launch.engine_args, None
+        for i, a in enumerate(args):
+            if a == "--mem-fraction-static" and i + 1 < len(args):
+                fraction = args[i + 1]
+            elif a.startswith("--mem-fraction-static="):
+                fraction = a.split("=", 1)[1]
+        return RolloutMemory(**terms, server_memory_fraction=float(fraction or 0.88),
+                             server_budget_source=f"--mem-fraction-static {fraction or '0.88 (default)'}")
 
-    servers: list[str] = Field(min_length=1, description="Base URLs of the servers: `python -m sglang.launch_server` "
-                               "or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. All G samples of a prompt "
-                               "go to one of them (chosen by a hash of the prompt id).")
+    servers: list[str] | None = Field(None, description="Base URLs of running servers: `python -m "
+                                      "sglang.launch_server` or `rlctl serve rollout`, e.g. http://127.0.0.1:30000. "
+                                      "All G samples of a prompt go to one of them (chosen by a hash of the prompt "
+                                      "id).")
+    launch: SGLangLaunch | None = Field(None, description="Start the servers (mutually exclusive with servers).")
     api_key_env: str = Field("RLCTL_SERVE_API_KEY", description="Environment variable holding the servers' API "
                              "key (their --api-key), sent as `Authorization: Bearer KEY`; unset or empty: no key. "
                              "The key itself never goes into the config, so it never reaches run records.")
@@ -48,8 +76,19 @@ class SGLangOptions(BaseModel):
 
     @field_validator("servers")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
+    def _urls(cls, urls: list[str] | None) -> list[str] | None:
+        if urls is None:
+            return None
+        if not urls:
+            raise ValueError("servers must list at least one URL (or use a launch block instead)")
         return server_urls(urls, key="rollout.options.servers", example="http://127.0.0.1:30000")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SGLangOptions":
+        if (self.servers is None) == (self.launch is None):
+            raise ValueError("set exactly one of rollout.options.servers (attach to running servers) and "
+                             "rollout.options.launch (rlctl starts them, e.g. launch: {num_servers: 1})")
+        return self
 
     @model_validator(mode="after")
     def _delta_encoding(self) -> "SGLangOptions":

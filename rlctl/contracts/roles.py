@@ -248,6 +248,15 @@ class RolloutMemoryTerms(Protocol):
 
 
 @runtime_checkable
+class EngineLaunchCheck(Protocol):
+    """A rollout plugin's validated options that can refuse a model before launching engine servers (optional;
+    e.g. a head_dim the engine's kernels reject): ``rlctl dryrun`` asks, so the problem shows before a launch."""
+
+    def launch_problem(self, head_dim: int) -> str | None:
+        """Why the servers this config launches would refuse a model with ``head_dim``, or None."""
+
+
+@runtime_checkable
 class LengthTailOptions(Protocol):
     """A rollout plugin's validated options that impose a response-length tail (optional; e.g. the local
     engine's benchmark option): the staleness simulator draws lengths from it instead of a smoke step's."""

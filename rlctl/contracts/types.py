@@ -491,3 +491,8 @@ class RolloutMemory:
     kv_budget_bytes: int | None = None  # KV cache bytes one forward may use (caps the rows by the model's shape)
     kv_budget_fraction: float | None = None  # ... or that share of the device's memory (GPU plans only)
     offload_weights: bool = False  # the engine's weights leave the device between calls (resident while rolling out)
+    out_of_process: bool = False  # engine servers in their own processes (vLLM, SGLang): never in rlctl's memory
+    servers: int = 0  # of those, how many rlctl launches on this host (0: attached servers, memory on their hosts)
+    server_kv_bytes: int | None = None  # KV cache budget of one server, from its engine args (None: unknown)
+    server_memory_fraction: float | None = None  # share of a GPU one server takes (GPU plans; weights + KV + rest)
+    server_budget_source: str = ""  # where the budget came from, e.g. "VLLM_CPU_KVCACHE_SPACE=1"

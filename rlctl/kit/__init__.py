@@ -30,8 +30,9 @@ version note. The groups:
   ``kv_cache_bytes``, ``kv_budget_rows``, ``fmt_bytes``, ``parse_bytes``.
 - HTTP clients of servers: ``call_json``, ``CallError``, ``server_urls``.
 - engine servers rlctl starts itself (vLLM, SGLang): ``EngineServers``
-  (own process group, parent-death signal, health wait, logs, stop at exit
-  and on SIGTERM / SIGINT), ``free_ports``.
+  (own process group, parent-death signal, CPU / GPU pinning, health wait,
+  logs, stop at exit and on SIGTERM / SIGINT), ``EngineLaunch`` (the
+  ``launch`` block the engine plugins share), ``free_ports``, ``parse_cpus``.
 - learners: ``TorchLearner`` and ``TorchLearnerOptions`` (the one-process
   torch learner, the base a sharded learner's rank extends), and the rank
   plumbing of sharded learners: ``RankGroup`` (the LearnerBackend over N
@@ -82,7 +83,7 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "rlctl.serve.client": ("call_json", "CallError", "server_urls"),
     },
     "engine servers": {
-        "rlctl.serve.engines": ("EngineServers", "free_ports"),
+        "rlctl.serve.engines": ("EngineServers", "EngineLaunch", "free_ports", "parse_cpus"),
     },
     "learners": {
         "rlctl.kit.torch_options": ("TorchLearnerOptions",),

@@ -193,7 +193,26 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
     tokenizer, tok_detail = load_tokenizer(config, home)
     lengths = [len(tokenizer(p.text)["input_ids"]) for p in task.train]
     checks.append(Check("tokenizer", True, f"{tok_detail}; train prompts {min(lengths)}-{max(lengths)} tokens"))
+    checks += engine_launch_checks(config, plugins, tokenizer)
     return checks, task, tokenizer, max(lengths)
+
+
+def engine_launch_checks(config: RunConfig, plugins: Plugins, tokenizer: Any) -> list[Check]:
+    """What the rollout plugin's engine servers would refuse at launch (e.g. a head_dim), raised now."""
+    from rlctl.config.load import validate_options
+    from rlctl.contracts.roles import EngineLaunchCheck
+
+    options = validate_options(plugins.get("rollout_backend", config.rollout.backend).options,
+                               config.rollout.options, "rollout.options")
+    if not isinstance(options, EngineLaunchCheck):
+        return []
+    head_dim = config_shape(config, tokenizer).head_dim
+    problem = options.launch_problem(head_dim)
+    if problem:
+        raise ConfigError(f"rollout.backend {config.rollout.backend!r} would not start: {problem}",
+                          "use a model whose head_dim the engine supports (for the built-in model: "
+                          "model.hidden_size / model.num_heads), or another rollout.backend")
+    return [Check("engine launch", True, f"head_dim {head_dim} accepted by the {config.rollout.backend} servers")]
 
 
 def load_tokenizer(config: RunConfig, home: Path) -> tuple[Any, str]:
@@ -366,6 +385,16 @@ def rollout_budget_notes(rollout: RolloutMemory, work: Workload, gpu: bool) -> l
     elif rollout.kv_budget_bytes is not None or rollout.kv_budget_fraction is not None:
         notes.append(f"rollout KV budget: {work.rollout_rows} rows per forward "
                      f"({work.seq_tokens} tokens each)")
+    if rollout.out_of_process:
+        if rollout.servers:
+            budget = f"KV budget per server from {rollout.server_budget_source}" if rollout.server_budget_source \
+                else "KV budget per server from the workload"
+            notes.append(f"engine servers: {rollout.servers} launched, each in its own process ({budget}); "
+                         "counted on the device as 'engine servers', never in rlctl's own process (the smoke "
+                         "step's measurement leaves them out)")
+        else:
+            notes.append("engine servers: attached (rollout.options.servers), so their weights and KV cache are on "
+                         "their own hosts and not in this ledger")
     if rollout.offload_weights:
         notes.append("rollout offload_weights: the engine's weights are counted in the rollout phase only"
                      if gpu else "rollout offload_weights does nothing on CPU: the engine's weights stay counted")
@@ -381,10 +410,14 @@ def strategy(options: DryrunOptions, roles: RoleMemory, gpu: bool) -> Strategy:
     # on GPUs the rollout is modelled as a serving engine (bf16, layer-bucketed weight sync): an in-process
     # engine is a CPU / small-model engine
     engine = "in-process" if roles.rollout.in_process and not gpu else "serving"
+    servers = roles.rollout
+    if servers.out_of_process:
+        engine = "out-of-process"
     return Strategy(param_bytes=mem.param_bytes, master_weights=mem.master_weights,
                     optim_state_bytes=mem.optim_state_bytes, zero_stage=stage, checkpointing=mem.checkpointing,
-                    rollout_bytes=2 if gpu and engine == "serving" else 4, engine=engine, gpu=gpu,
-                    rollout_offload=gpu and roles.rollout.offload_weights)
+                    rollout_bytes=2 if gpu and engine != "in-process" else 4, engine=engine, gpu=gpu,
+                    rollout_offload=gpu and roles.rollout.offload_weights, servers=servers.servers,
+                    server_kv_bytes=servers.server_kv_bytes, server_memory_fraction=servers.server_memory_fraction)
 
 
 def host_memory_bytes() -> int:
@@ -450,6 +483,7 @@ def smoke_step(config: RunConfig, plugins: Plugins, home: Path, task: Any, optio
                                     cfg.train.learner_options, "train.learner_options")
     ranks = learner_opts.world_size if isinstance(learner_opts, ShardedLearnerOptions) else 1
     strat = strategy(replace(options, shape=None, zero_stage=None if ranks > 1 else 0), memory, gpu=False)
+    strat = replace(strat, servers=0)  # engine servers run in their own processes: the meter sees rlctl's only
     # Check the ledger's formulas at the lengths the smoke steps really had; the planning
     # ledger above budgets every response at rollout.max_tokens (the worst case).
     observed = replace(workload(cfg, prompt_max, memory, critic=critic, shape=shape),

@@ -93,8 +93,12 @@ class Strategy:
     offload_optimizer: bool = False  # optimizer states (+ master) in host memory
     rollout_bytes: int = 4  # rollout engine weights and KV cache element size
     rollout_tp: int = 1  # tensor-parallel degree of one rollout engine
-    engine: Literal["in-process", "serving"] = "in-process"  # rollout weights in the driver, or a server
+    engine: Literal["in-process", "serving", "out-of-process"] = "in-process"  # rollout weights in the driver,
+    # a serving engine in rlctl's process (GPU plans), or engine servers in their own processes (vLLM, SGLang)
     rollout_offload: bool = False  # the rollout engine's weights leave the device between its calls
+    servers: int = 0  # out-of-process engine servers rlctl launches (0: attached ones, whose memory is elsewhere)
+    server_kv_bytes: int | None = None  # one server's KV budget from its engine args (None: from the workload)
+    server_memory_fraction: float | None = None  # one server's share of a GPU (GPU plans)
     gpu: bool = False
 
     def describe(self) -> str:
@@ -201,7 +205,7 @@ def ledger(shape: ModelShape, work: Workload, strat: Strategy, place: Placement,
         if has_learner:
             terms += learner_terms(shape, work, strat, place.learner_devices)
         if has_rollout:
-            terms += rollout_terms(shape, work, strat, place.rollout_devices)
+            terms += rollout_terms(shape, work, strat, place.rollout_devices, capacity_bytes)
         terms += runtime_terms(shape, strat, has_rollout, has_learner, place)
         dev = DeviceLedger(device=name, count=count, capacity_bytes=capacity_bytes, headroom=headroom,
                            terms=tuple(t for t in terms if t.bytes > 0 or t.role in ("critic", "reward")))
@@ -261,11 +265,14 @@ def critic_terms(shape: ModelShape, work: Workload, strat: Strategy, world: int)
     ]
 
 
-def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: int) -> list[Term]:
+def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: int,
+                  capacity_bytes: int | None = None) -> list[Term]:
     b, tp = strat.rollout_bytes, strat.rollout_tp
     replicas = max(1, devices // tp)
     rows = min(work.rollout_rows, math.ceil(work.sequences / replicas))
     kv = kv_cache_bytes(shape, rows, work.seq_tokens, b) // tp
+    if strat.engine == "out-of-process":
+        return server_terms(shape, strat, devices, kv, capacity_bytes)
     terms = [
         Term("rollout", "weights", _div(shape.num_params * b, tp), "rollout" if strat.rollout_offload else "persistent",
              f"P x {b}B / TP {tp}" + (", offloaded to host between calls" if strat.rollout_offload else "")),
@@ -281,6 +288,24 @@ def rollout_terms(shape: ModelShape, work: Workload, strat: Strategy, devices: i
     terms.append(Term("rollout", "sampling logits", rows * shape.vocab_size * 4 * 4, "rollout",
                       "seqs x V x 4B x 4 (logits, processed, log-softmax, probs)"))
     return terms
+
+
+def server_terms(shape: ModelShape, strat: Strategy, devices: int, workload_kv: int,
+                 capacity_bytes: int | None) -> list[Term]:
+    """Engine servers in their own processes: on the device, never in rlctl's process (nor in its smoke-step
+    measurement). Attached servers (``servers`` 0) live elsewhere and add nothing here."""
+    if strat.servers <= 0:
+        return []
+    n = math.ceil(strat.servers / max(1, devices))  # servers per device
+    where = f"{n} server{'s' if n > 1 else ''}, own processes"
+    if strat.server_memory_fraction is not None and strat.gpu and capacity_bytes:
+        return [Term("engine servers", "memory", int(n * strat.server_memory_fraction * capacity_bytes), "persistent",
+                     f"{where}: {strat.server_memory_fraction:g} of the device each (weights, KV, workspace)")]
+    kv, kv_formula = (strat.server_kv_bytes, "engine args") if strat.server_kv_bytes is not None else \
+        (workload_kv, "the step's rows, as if the engine held only them")
+    return [Term("engine servers", "weights", n * shape.num_params * strat.rollout_bytes, "persistent",
+                 f"{where}: P x {strat.rollout_bytes}B each"),
+            Term("engine servers", "KV cache", n * kv, "persistent", f"{where}: {fmt_bytes(kv)} each ({kv_formula})")]
 
 
 def runtime_terms(shape: ModelShape, strat: Strategy, has_rollout: bool, has_learner: bool,

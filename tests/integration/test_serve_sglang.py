@@ -294,3 +294,42 @@ def test_quickstart_trains_end_to_end_against_a_served_engine(server, tmp_path, 
     assert out["eval"]["num_prompts"] == 20
     info = server.get("/get_model_info")  # eval loaded the final policy last
     assert info["weight_version"] == "0"
+
+
+def _cpus_allowed(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+def test_launched_servers_are_pinned_restarted_resynced_and_stopped(plugins, _rlctl_home, tiny_policy_dir, tmp_path):
+    """The sglang plugin's launch block with `rlctl serve rollout` as the launched command: the same EngineServers
+    as the vllm plugin's (pinning, logs, restart of a SIGKILLed server and resync before it serves, stop on close)."""
+    import signal
+
+    cpu = min(os.sched_getaffinity(0))
+    launch = {"command": [sys.executable, "-m", "rlctl.cli.app", "serve", "rollout", "--model", "{model}",
+                          "--port", "{port}"],
+              "cpus": [str(cpu)], "port_range": [18700, 18799], "log_dir": str(tmp_path / "engines"),
+              "startup_timeout_s": 120}
+    session = _session(plugins, _rlctl_home, "", tmp_path, ["train.optim.lr=1e-3"], servers=None, launch=launch)
+    engines = session.rollout.engines
+    try:
+        (pid,) = engines.pids()
+        assert _cpus_allowed(pid) == str(cpu)
+        assert "serve rollout" in (tmp_path / "engines" / "server-0.log").read_text().splitlines()[0]
+        _, batch = _batch(session, advantages=[1.0, -1.0] * 8)
+        session.learner.train_step(batch)
+        update = session.learner.export_weights()
+        session.rollout.update_weights(update)
+        os.killpg(pid, signal.SIGKILL)
+        engines.procs[0].wait(timeout=30)
+        trajectories, batch = _batch(session)  # restarted on its port, resynced to version 1 before it serves
+        (new_pid,) = engines.pids()
+        assert new_pid != pid and _cpus_allowed(new_pid) == str(cpu)
+        assert {t.policy_version for t in trajectories} == {1}
+        assert _mismatch(session, batch) <= 1e-4
+    finally:
+        session.rollout.close()
+    assert not engines.alive(0)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(new_pid, 0)
