@@ -163,6 +163,21 @@ def test_dead_server_is_restarted_and_sigkilled_rlctl_leaves_no_engine_process(v
     assert not _group_members(group), f"engine processes left behind: {_group_members(group)}"
 
 
+def test_quickstart_vllm_config_trains_two_steps_on_its_launched_server(vllm_model_dir, tmp_path):
+    """configs/quickstart-vllm.yaml as shipped (its own launch block, interpreter path relative to the repository)
+    runs two GRPO steps on the quickstart's model shape: the server starts, serves, logs under the run directory,
+    and the learner's recomputation matches vLLM's logprobs. Before the session server: one server at a time."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlctl.cli.app", "train", "configs/quickstart-vllm.yaml", *VLLM_OVERRIDES,
+           "train.steps=2", "train.seeds=1", "algo.prompts_per_step=4", "algo.group_size=4", "eval.at_end=false",
+           "checkpoint.every_steps=100", "train.logprob_mismatch_bound=1e-3", "--run-dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and max(m["logprob_mismatch_max"] for m in steps) <= 1e-4
+    assert "Application startup complete" in (run_dir / "engines" / "server-0.log").read_text()
+
+
 def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_model_dir):
     model, _ = _state(vllm_model_dir)
     worst = 0.0
