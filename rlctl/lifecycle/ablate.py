@@ -45,6 +45,7 @@ from rlctl.config.load import apply_override, validate
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.types import AblationRecord, EvalRecord
+from rlctl.engine.spec import overlapped
 from rlctl.hooks.manager import Plugins
 from rlctl.registry.store import Registry
 
@@ -139,8 +140,7 @@ def devices_used(config: RunConfig) -> int:
     (train.learner_options.world_size, else 1) plus its rollout engines (1 in a local mode: sync run, else
     cluster.num_rollout_workers). device-seconds = RL wall seconds x this."""
     ranks = int(config.train.learner_options.get("world_size", 1) or 1)
-    local_sync = config.mode == "sync" and config.cluster.backend == "local"
-    return ranks + (1 if local_sync else config.cluster.num_rollout_workers)
+    return ranks + (config.cluster.num_rollout_workers if overlapped(config) else 1)
 
 
 def plan(base: RunConfig, axes: Sequence[str], seeds: int, budget_tokens: int | None,
