@@ -37,8 +37,9 @@ run): a launched server that dies (``worker-crash`` SIGKILLs it) is
 restarted on its port and brought to the current version before it gets
 work again (``rollout_server_lost``, ``rollout_server_restarted``); its
 prompt groups are generated again, whole. A server that stops answering
-(``network-partition``) is fenced; it is resynced to the current version
-when it answers again (``rollout_server_resynced``). When no server is
+(``network-partition``), in generate or in a weight sync, is fenced
+without failing the call; it reloads and verifies the current version when
+it answers again (``rollout_server_resynced``). When no server is
 left, generate waits, probing with backoff, up to ``reconnect_timeout_s``
 (``rollout_partition``, ``rollout_reconnected``), then raises
 ``RolloutUnavailable``.
@@ -232,16 +233,25 @@ class VLLMRollout:
                             "reloads in place: a new shape needs new servers)")
         started = time.monotonic()
         clients = [c for c in self.clients if c.url not in self.fenced or c.healthy(timeout_s=2.0)]
-        if not clients:
+        if not clients and state is None:
             raise RolloutUnavailable(f"no vLLM server answers to load weight version {self.policy_version}",
                                      "start the servers (or fix the network), then `rlctl resume`")
+        for client in self.clients:
+            if client not in clients:  # away: it reloads this version when it answers again (generate waits)
+                self.fenced[client.url] = UNREACHABLE
         futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in clients]
-        errors = [(c, f.exception()) for c, f in futures if f.exception() is not None]
         self.last_sync = {"weight_sync_s": time.monotonic() - started}
-        for client, err in errors:
-            self.fenced[client.url] = str(err)
+        errors = []
+        for client, future in futures:
+            err = future.exception()
+            if err is None:
+                continue
+            away = isinstance(err, ServerError) and err.unreachable
+            self.fenced[client.url] = UNREACHABLE if away else str(err)
             report_recovery("rollout_server_fenced", f"{client.url} fenced at weight version "
                             f"{self.policy_version}: {err}", {"server": client.url, "version": self.policy_version})
+            if not away:  # an unreachable one is resynced to this version when it answers again
+                errors.append((client, err))
         if not errors:
             self.current_path = path
         if errors:

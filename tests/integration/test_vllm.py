@@ -323,7 +323,7 @@ def test_async_partial_rollout_through_a_partition_and_a_damaged_version(vllm_ba
     cmd = [sys.executable, "-m", "rlctl.cli.app", "train", str(REPO / "configs" / "quickstart.yaml"), *VLLM_OVERRIDES,
            "rollout.backend=vllm", f"rollout.options={json.dumps(options)}", "train.steps=4", "train.seeds=1",
            "algo.prompts_per_step=4", "algo.group_size=4", "eval.at_end=false", "checkpoint.every_steps=100",
-           "mode=async", "staleness.max_staleness=1", "staleness.partial_fraction=0.5",
+           "mode=async", "staleness.max_staleness=1", "staleness.partial_fraction=0.5", "cluster.num_rollout_workers=1",
            f"faults.inject={json.dumps(faults)}", "--run-dir", str(run_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
