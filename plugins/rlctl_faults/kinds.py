@@ -27,7 +27,8 @@ handler produces the real failure, never a log line that pretends one:
   rollout`` behind the ``sglang`` backend, found by the pid it reports, or a
   vLLM server the ``vllm`` backend launched, by the pid the backend passes;
   on this host only) at ``rollout.dispatch``, after the health check and before
-  that server gets its share of the step's prompt groups; with
+  that server gets its share of the step's prompt groups (``once``: at the
+  first dispatch at or after ``at_step``, for the overlapped modes); with
   ``cluster.backend: ray`` it SIGKILLs a rollout actor's process (``target``:
   a worker name such as ``ray-1``) at ``rollout.worker``, just before that
   worker's generate call.
@@ -243,6 +244,9 @@ class SlowLearner(SlowRollout):
 class WorkerCrashOptions(_Options):
     server: int = Field(0, ge=0, description="Index (in rollout.options.servers, or of the launched servers) of "
                         "the server to kill.")
+    once: bool = Field(False, description="Kill a server once, at the first dispatch at or after at_step (count "
+                       "is ignored). In the overlapped modes a rollout call starts while the learner's step "
+                       "number may still be the previous one or already the next: a one-step window can miss.")
 
 
 class WorkerCrash:
@@ -252,11 +256,23 @@ class WorkerCrash:
         self.options = options or WorkerCrashOptions()
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        done, lock = [bool(ctx.fired_steps)], threading.Lock()
+
+        def claim() -> bool:
+            if not self.options.once:
+                return ctx.take()
+            with lock:  # several rollout workers may reach the site at once
+                if done[0] or ctx.step() < ctx.at_step:
+                    return False
+                done[0] = True
+                return True
+
         def handler(value: Any, clients: Any = (), pids: Any = (), **_: Any) -> Any:
-            if self.options.server >= len(clients) or not ctx.due():
+            if self.options.server >= len(clients) or not (ctx.step() >= ctx.at_step if self.options.once
+                                                           else ctx.due()):
                 return value
             client = clients[self.options.server]
-            if (ctx.target and client.url != ctx.target.rstrip("/")) or not ctx.take():
+            if (ctx.target and client.url != ctx.target.rstrip("/")) or not claim():
                 return value
             host = client.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
             if host not in ("127.0.0.1", "localhost", "[::1]"):

@@ -368,7 +368,8 @@ def drill_vllm_worker_crash(d: _Driller) -> DrillResult:
     launch = {"python": str(VLLM_PYTHON.absolute()), "num_servers": 2,  # absolute(), not resolve(): a venv's
               "engine_args": ["--max-model-len", "128"], "port_range": [18900, 18999]}  # python is a symlink
     options = {"launch": launch, "publish_dir": str(d.workdir / "worker-crash-vllm-pub")}
-    run = d.train("worker-crash-vllm", [{"kind": "worker-crash", "at_step": 2}], *VLLM_OVERRIDES, "mode=one_step_off",
+    run = d.train("worker-crash-vllm", [{"kind": "worker-crash", "at_step": 2, "options": {"once": True}}],
+                  *VLLM_OVERRIDES, "mode=one_step_off",
                   "cluster.num_rollout_workers=1",  # each rollout worker's backend launches its own servers
                   "rollout.backend=vllm", f"rollout.options={json.dumps(options)}")
     fault, lost = run.first("fault_injected"), run.all("rollout_server_lost")

@@ -184,7 +184,6 @@ def test_drill_sigkill_of_one_of_two_launched_servers_loses_nothing(_rlctl_home,
     with Registry.open(url) as reg:
         kinds = [e.kind for e in reg.events(result.run_id)]
     assert {"fault_injected", "rollout_server_lost", "rollout_server_restarted", "drill"} <= set(kinds)
-    assert (tmp_path / "worker-crash-vllm" / "engines" / "server-0.log").is_file()
 
 
 def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_model_dir):
@@ -316,8 +315,9 @@ def test_async_partial_rollout_through_a_partition_and_a_damaged_version(vllm_ba
     from rlctl.registry.store import Registry
 
     url = vllm_backend.clients[0].url
-    faults = [{"kind": "network-partition", "at_step": 1, "options": {"duration_s": 3}},
-              {"kind": "weight-sync-failure", "at_step": 2}]
+    # two-step windows: a rollout call's step is the learner's when it starts, which races with the step's end
+    faults = [{"kind": "network-partition", "at_step": 1, "count": 2, "options": {"duration_s": 3}},
+              {"kind": "weight-sync-failure", "at_step": 2, "count": 2}]
     options = {"servers": [url], "retry_backoff_s": 0.1, "reconnect_timeout_s": 60}
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlctl.cli.app", "train", str(REPO / "configs" / "quickstart.yaml"), *VLLM_OVERRIDES,
