@@ -240,10 +240,10 @@ class VLLMRollout:
             if client not in clients:  # away: it reloads this version when it answers again (generate waits)
                 self.fenced[client.url] = UNREACHABLE
         futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in clients]
+        outcomes = [(c, f.exception()) for c, f in futures]  # waits for every server
         self.last_sync = {"weight_sync_s": time.monotonic() - started}
         errors = []
-        for client, future in futures:
-            err = future.exception()
+        for client, err in outcomes:
             if err is None:
                 continue
             away = isinstance(err, ServerError) and err.unreachable

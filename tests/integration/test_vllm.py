@@ -315,10 +315,11 @@ def test_async_partial_rollout_through_a_partition_and_a_damaged_version(vllm_ba
     from rlctl.registry.store import Registry
 
     url = vllm_backend.clients[0].url
-    # two-step windows: a rollout call's step is the learner's when it starts, which races with the step's end
+    # two-step windows (a rollout call's step is the learner's when it starts, which races with the step's end;
+    # in async the learner may move on between two tries of one sync, so the damage can hit two tries)
     faults = [{"kind": "network-partition", "at_step": 1, "count": 2, "options": {"duration_s": 3}},
               {"kind": "weight-sync-failure", "at_step": 2, "count": 2}]
-    options = {"servers": [url], "retry_backoff_s": 0.1, "reconnect_timeout_s": 60}
+    options = {"servers": [url], "retries": 4, "retry_backoff_s": 0.1, "reconnect_timeout_s": 60}
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlctl.cli.app", "train", str(REPO / "configs" / "quickstart.yaml"), *VLLM_OVERRIDES,
            "rollout.backend=vllm", f"rollout.options={json.dumps(options)}", "train.steps=4", "train.seeds=1",
