@@ -184,6 +184,8 @@ def test_drill_sigkill_of_one_of_two_launched_servers_loses_nothing(_rlctl_home,
     with Registry.open(url) as reg:
         kinds = [e.kind for e in reg.events(result.run_id)]
     assert {"fault_injected", "rollout_server_lost", "rollout_server_restarted", "drill"} <= set(kinds)
+    logs = tmp_path / "worker-crash-vllm" / "engines"  # moved into the run directory through the fleet
+    assert (logs / "server-0.log").read_text().count("$ ") == 2  # launched, then restarted after the SIGKILL
 
 
 def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_model_dir):
