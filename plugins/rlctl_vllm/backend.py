@@ -49,7 +49,9 @@ producer thread that generates also loads the weights, and ``/pause`` waits
 for requests in flight), so every token of a trajectory comes from the
 version it is tagged with and its behaviour logprobs are that version's.
 Partial rollout (``staleness.partial_fraction``) carries whole groups over
-to a later step with that version, as with the local engine.
+to a later step with that version, as with the local engine. Because each
+worker reloads the servers it drives, a second rollout worker of this
+process (another seed) attaching to the same server is refused.
 
 What this is not: token-level partial rollout (a group interrupted by a
 weight sync and resumed on the new version, with per-token version spans):
@@ -63,6 +65,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,6 +143,7 @@ class VLLMRollout:
         self.tokenizer_hash = ctx.tokenizer_hash
         self.eos_ids = eos_token_ids(ctx.model_dir)
         self.engines: EngineServers | None = None
+        self._claimed: list[str] = []
         self._pool: ThreadPoolExecutor | None = None
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
         self._own_dir = options.publish_dir is None
@@ -161,6 +165,8 @@ class VLLMRollout:
 
     def _start(self, ctx: RolloutContext, options: VLLMOptions) -> None:
         urls = options.servers or []
+        _claim(urls, ctx.seed)
+        self._claimed = list(urls)
         if options.launch is not None:
             launch = options.launch
             env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}", **launch.env}
@@ -448,12 +454,41 @@ class VLLMRollout:
         return {}  # the weights live in the vLLM server processes
 
     def close(self) -> None:
+        _release(self._claimed, self.ctx.seed)
+        self._claimed = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.engines is not None:
             self.engines.stop()
         if self._own_dir:
             shutil.rmtree(self.broadcaster.transport.root, ignore_errors=True)
+
+
+_DRIVERS: dict[str, list[int]] = {}  # attached server -> seeds of the live backends of this process driving it
+_DRIVERS_LOCK = threading.Lock()
+
+
+def _claim(urls: Sequence[str], seed: int) -> None:
+    """Refuse a second rollout worker (another seed) on an attached server: each worker reloads the servers
+    it drives to its own weight version, so two would tag each other's samples with the wrong version. A
+    rebuild of the same worker (same seed) and grading (the run's seed, worker 0's) may share them."""
+    with _DRIVERS_LOCK:
+        for url in urls:
+            if any(other != seed for other in _DRIVERS.get(url, ())):
+                raise RoleError(f"vLLM server {url} is already driven by another rollout worker of this run; two "
+                                "workers would reload it at different weight versions and mislabel samples",
+                                "set cluster.num_rollout_workers=1 (the servers in rollout.options.servers are "
+                                "the parallelism)")
+        for url in urls:
+            _DRIVERS.setdefault(url, []).append(seed)
+
+
+def _release(urls: Sequence[str], seed: int) -> None:
+    with _DRIVERS_LOCK:
+        for url in urls:
+            seeds = _DRIVERS.get(url, [])
+            if seed in seeds:
+                seeds.remove(seed)
 
 
 def _parse(choice: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]]:

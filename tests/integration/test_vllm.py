@@ -342,3 +342,22 @@ def test_async_partial_rollout_through_a_partition_and_a_damaged_version(vllm_ba
     fresh = [metrics[s]["logprob_mismatch_max"] for s, dv in stale.items() if dv == 0 and s in metrics]
     print(f"\nasync on vLLM: max dv per step {stale}; mismatch on dv-0 steps {fresh}; events {sorted(set(kinds))}")
     assert fresh and max(fresh) <= 1e-4
+
+
+def test_a_second_rollout_worker_on_the_same_attached_server_is_refused(vllm_backend, vllm_model_dir):
+    """Each worker reloads its servers to its own weight version: two on one server would mislabel samples.
+    A rebuild of the same worker (same seed) may attach again; a closed one frees the server."""
+    from rlctl.contracts.errors import RoleError
+    from rlctl.contracts.types import RolloutContext
+    from rlctl_vllm.backend import VLLMRollout
+    from rlctl_vllm.options import VLLMOptions
+
+    options = VLLMOptions(servers=[vllm_backend.clients[0].url], sync_on_start=False)
+    first = VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=0), options)
+    try:
+        with pytest.raises(RoleError, match="already driven by another rollout worker.*num_rollout_workers=1"):
+            VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=1000), options)
+        VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=0), options).close()
+    finally:
+        first.close()
+    VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=1000), options).close()
