@@ -192,6 +192,7 @@ class VLLMRollout:
         again, whole, and reloaded within the retry bound (``weight_sync_failed`` / ``weight_sync_recovered``)."""
         self.policy_version = update.version
         for attempt in range(self.options.retries + 1):
+            report = None
             try:
                 report = self.broadcaster.publish(update, full=True)  # visible only once its manifest is committed
                 if not report.location:
@@ -204,6 +205,8 @@ class VLLMRollout:
                 break
             except (OSError, _SyncFailed) as err:
                 stage = "publish" if isinstance(err, OSError) else err.stage
+                if report is not None and report.location:  # the transport reuses a committed version as it is:
+                    shutil.rmtree(report.location, ignore_errors=True)  # the next try writes it again, whole
                 report_recovery("weight_sync_failed", f"weight version {update.version} failed at {stage} (try "
                                 f"{attempt + 1}): {err}", {"version": update.version, "try": attempt + 1,
                                                             "stage": stage})
