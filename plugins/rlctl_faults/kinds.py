@@ -24,14 +24,16 @@ handler produces the real failure, never a log line that pretends one:
 - ``slow-learner``: sleeps ``delay_s`` inside the learner's train step (in the
   learner actor or a rank actor under Ray).
 - ``worker-crash``: SIGKILLs a rollout server process (an ``rlctl serve
-  rollout`` behind the ``sglang`` backend, found by the pid it reports, on
-  this host only) at ``rollout.dispatch``, after the health check and before
-  that server gets its share of the step's prompt groups; with
+  rollout`` behind the ``sglang`` backend, found by the pid it reports, or a
+  vLLM server the ``vllm`` backend launched, by the pid the backend passes;
+  on this host only) at ``rollout.dispatch``, after the health check and before
+  that server gets its share of the step's prompt groups (``once``: at the
+  first dispatch at or after ``at_step``, for the overlapped modes); with
   ``cluster.backend: ray`` it SIGKILLs a rollout actor's process (``target``:
   a worker name such as ``ray-1``) at ``rollout.worker``, just before that
   worker's generate call.
 - ``network-partition``: for ``duration_s`` seconds from the faulted step,
-  every HTTP call the ``sglang`` backend makes to a rollout server (or only to
+  every HTTP call the ``sglang`` or ``vllm`` backend makes to a rollout server (or only to
   ``target``, a server URL) goes to a local port that refuses connections
   (``mode: refused``) or accepts them and never answers (``mode: blackhole``,
   detected by the client's timeout) at ``rollout.connect``.
@@ -39,7 +41,8 @@ handler produces the real failure, never a log line that pretends one:
   shard write fails with ENOSPC (``stage: publish``, at ``weights.write``,
   leaving an uncommitted version directory) or a byte of the committed
   version's first shard is flipped before the servers load it (``stage:
-  apply``, at ``weights.published``), so the server's own checksum refuses it.
+  apply``, at ``weights.published``), so the server's own checksum (sglang)
+  or the vllm backend's check of the published bytes refuses it.
 
 What this is not: recovery (the roles and rlctl.incidents.recovery do that).
 """
@@ -239,28 +242,48 @@ class SlowLearner(SlowRollout):
 
 
 class WorkerCrashOptions(_Options):
-    server: int = Field(0, ge=0, description="Index (in rollout.options.servers) of the server to kill.")
+    server: int = Field(0, ge=0, description="Index (in rollout.options.servers, or of the launched servers) of "
+                        "the server to kill.")
+    once: bool = Field(False, description="Kill a server once, at the first dispatch at or after at_step (count "
+                       "is ignored). In the overlapped modes a rollout call starts while the learner's step "
+                       "number may still be the previous one or already the next: a one-step window can miss.")
 
 
 class WorkerCrash:
-    """SIGKILL a rollout server (``sglang`` backend) or a Ray rollout actor's process at step ``at_step``."""
+    """SIGKILL a rollout server (``sglang`` or ``vllm`` backend) or a Ray rollout actor's process at ``at_step``."""
 
     def __init__(self, options: WorkerCrashOptions | None = None) -> None:
         self.options = options or WorkerCrashOptions()
 
     def arm(self, ctx: FaultContext) -> Callable[[], None]:
-        def handler(value: Any, clients: Any = (), **_: Any) -> Any:
-            if self.options.server >= len(clients) or not ctx.due():
+        done, lock = [bool(ctx.fired_steps)], threading.Lock()
+
+        def claim() -> bool:
+            if not self.options.once:
+                return ctx.take()
+            with lock:  # several rollout workers may reach the site at once
+                if done[0] or ctx.step() < ctx.at_step:
+                    return False
+                done[0] = True
+                return True
+
+        def handler(value: Any, clients: Any = (), pids: Any = (), **_: Any) -> Any:
+            if self.options.server >= len(clients) or not (ctx.step() >= ctx.at_step if self.options.once
+                                                           else ctx.due()):
                 return value
             client = clients[self.options.server]
-            if (ctx.target and client.url != ctx.target.rstrip("/")) or not ctx.take():
+            if (ctx.target and client.url != ctx.target.rstrip("/")) or not claim():
                 return value
             host = client.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
             if host not in ("127.0.0.1", "localhost", "[::1]"):
                 raise RuntimeError(f"worker-crash can only kill a rollout server on this host, not {client.url}")
-            pid = (client.server_info().get("rlctl") or {}).get("pid")
+            if pids:  # servers the backend launched itself know their pids (vllm)
+                pid = pids[self.options.server]
+            else:
+                pid = (client.server_info().get("rlctl") or {}).get("pid")
             if not isinstance(pid, int):
-                raise RuntimeError(f"{client.url} does not report its pid (worker-crash needs `rlctl serve rollout`)")
+                raise RuntimeError(f"{client.url} does not report its pid (worker-crash needs `rlctl serve "
+                                   "rollout`, or servers the vllm backend launched)")
             ctx.fire(f"rollout server {client.url} (pid {pid}) SIGKILLed", {"server": client.url, "pid": pid})
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 30

@@ -14,29 +14,48 @@ What this is: a RolloutBackend over one or more vLLM servers:
   logprobs (after temperature / top-k / top-p: processed_logprobs), and
   finish_reason its terminal reason. No text round trip.
 - update_weights: publish the version (the disk transport's atomic
-  manifest), then check the version's tensor names, shapes and dtypes
-  against what the servers serve *before* any server is touched (a refused
-  version leaves every server on the old weights); then per server
+  manifest), check that the published bytes are the learner's tensors
+  (every tensor) and that the version's names, shapes and dtypes match what
+  the servers serve *before* any server is touched (a refused version
+  leaves every server on the old weights); then per server
   ``/pause?mode=wait``, ``/collective_rpc reload_weights``, verify the
   engine's own ``/weight_checker`` digests against digests computed from
-  the learner's tensors (so a shard damaged on disk after the publish is
-  caught), ``/resume``. A server that fails any of these is
-  fenced: it gets no work until a later sync succeeds on it, and the call
-  raises naming it (the learner stays paused).
+  the learner's tensors, ``/resume``. A server that fails any of these is
+  fenced: it gets no work until a later sync succeeds on it. A failed
+  write, damaged published bytes or a failed server check is published
+  again, whole, and reloaded within ``retries`` (``weight_sync_failed``,
+  ``weight_sync_recovered`` events); past that the call raises (the learner
+  stays paused). A wrong layout is refused at once (no retry can fix it).
 
 Digests: the CPU build repacks linear weights and reports the digest of
-zero bytes for them, so on CPU the check covers the embedding and the
-norms; every parameter whose digest is not empty is compared. A failed
-check means the in-place reload already happened: the server is fenced
-(serves nothing) until a later sync to a good version succeeds on it.
+zero bytes for them, so on CPU the engine's check covers the embedding and
+the norms; every parameter whose digest is not empty is compared (the
+check of the published bytes covers the rest).
 
-Launched servers that die are restarted (same port) and brought to the
-current version before they get work again (``rollout_server_lost``,
-``rollout_server_restarted`` events); an attached server that stops
-answering is fenced and its groups go, whole, to the others.
+Recoveries (each a ``report_recovery`` event, so a registry event of the
+run): a launched server that dies (``worker-crash`` SIGKILLs it) is
+restarted on its port and brought to the current version before it gets
+work again (``rollout_server_lost``, ``rollout_server_restarted``); its
+prompt groups are generated again, whole. A server that stops answering
+(``network-partition``), in generate or in a weight sync, is fenced
+without failing the call; it reloads and verifies the current version when
+it answers again (``rollout_server_resynced``). When no server is
+left, generate waits, probing with backoff, up to ``reconnect_timeout_s``
+(``rollout_partition``, ``rollout_reconnected``), then raises
+``RolloutUnavailable``.
 
-What this is not: the overlapped-mode partial-rollout machinery (issue 21
-items not built yet).
+Overlapped modes: one generate call never straddles a weight sync (the
+producer thread that generates also loads the weights, and ``/pause`` waits
+for requests in flight), so every token of a trajectory comes from the
+version it is tagged with and its behaviour logprobs are that version's.
+Partial rollout (``staleness.partial_fraction``) carries whole groups over
+to a later step with that version, as with the local engine. Because each
+worker reloads the servers it drives, a second rollout worker of this
+process (another seed) attaching to the same server is refused.
+
+What this is not: token-level partial rollout (a group interrupted by a
+weight sync and resumed on the new version, with per-token version spans):
+neither this backend nor the local engine does that.
 """
 
 from __future__ import annotations
@@ -46,6 +65,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,9 +73,13 @@ from typing import Any, Mapping, Sequence
 
 from rlctl import RoleError, RolloutRequest, RolloutUnavailable, Trajectory, WeightUpdate
 from rlctl.contracts.types import RolloutContext, TerminalReason
-from rlctl.kit import Broadcaster, EngineServers, SyncOptions, eos_token_ids, report_recovery, weight_transport
+from rlctl.kit import (
+    Broadcaster, EngineServers, SyncOptions, eos_token_ids, fault_site, report_recovery, weight_transport,
+)
 from rlctl_vllm.client import ServerError, VLLMClient
-from rlctl_vllm.layout import EMPTY_SHA256, differences, expected_digests, layout, state_digests
+from rlctl_vllm.layout import (
+    EMPTY_SHA256, differences, expected_digests, layout, published_mismatches, state_digests,
+)
 from rlctl_vllm.options import VLLM_INSTALL, LaunchOptions, VLLMOptions, cpu_head_dim_problem
 
 
@@ -95,6 +119,18 @@ def check_cpu_head_dim(python: str, model_dir: str) -> None:
                         "128 / 4 = 32), or the local rollout backend")
 
 
+UNREACHABLE = "unreachable during generate"  # a fence a server leaves by answering again (and resyncing)
+
+
+class _SyncFailed(RoleError):
+    """One try of a weight sync failed at ``stage`` (published bytes, or a server's load / check): try again."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message, "read the server's log; the learner stays paused at this version; see "
+                         "`rlctl runbook show weight-sync-failure`")
+        self.stage = stage
+
+
 class VLLMRollout:
     """RolloutBackend over vLLM servers."""
 
@@ -104,6 +140,7 @@ class VLLMRollout:
         self.tokenizer_hash = ctx.tokenizer_hash
         self.eos_ids = eos_token_ids(ctx.model_dir)
         self.engines: EngineServers | None = None
+        self._claimed: list[str] = []
         self._pool: ThreadPoolExecutor | None = None
         root = Path(options.publish_dir) if options.publish_dir else Path(tempfile.mkdtemp(prefix="rlctl-weights-"))
         self._own_dir = options.publish_dir is None
@@ -125,6 +162,8 @@ class VLLMRollout:
 
     def _start(self, ctx: RolloutContext, options: VLLMOptions) -> None:
         urls = options.servers or []
+        _claim(urls, ctx.seed)
+        self._claimed = list(urls)
         if options.launch is not None:
             launch = options.launch
             self.engines = launch.servers(launch_argv(launch, str(ctx.model_dir)), name="vLLM",
@@ -144,14 +183,47 @@ class VLLMRollout:
     # -- weight sync -----------------------------------------------------------------------
 
     def update_weights(self, update: WeightUpdate) -> None:
-        report = self.broadcaster.publish(update, full=True)  # visible only once its manifest is committed
-        if not report.location:
-            raise RoleError(f"weight transport {self.options.weight_sync!r} published version {report.version} "
-                            "nowhere a server can read by path", "use rollout.options.weight_sync=disk")
+        """Publish and load ``update``; a failed write, damaged bytes or a server's failed check is published
+        again, whole, and reloaded within the retry bound (``weight_sync_failed`` / ``weight_sync_recovered``)."""
         self.policy_version = update.version
-        self._sync_all(report.location, update.state_dict)
+        for attempt in range(self.options.retries + 1):
+            report = None
+            try:
+                report = self.broadcaster.publish(update, full=True)  # visible only once its manifest is committed
+                if not report.location:
+                    raise RoleError(f"weight transport {self.options.weight_sync!r} published version "
+                                    f"{report.version} nowhere a server can read by path",
+                                    "use rollout.options.weight_sync=disk")
+                fault_site("weights.published", location=report.location, version=update.version)  # (injected)
+                self._check_published(report.location, update.state_dict)
+                self._sync_all(report.location, update.state_dict)
+                break
+            except (OSError, _SyncFailed) as err:
+                stage = "publish" if isinstance(err, OSError) else err.stage
+                if report is not None and report.location:  # the transport reuses a committed version as it is:
+                    shutil.rmtree(report.location, ignore_errors=True)  # the next try writes it again, whole
+                report_recovery("weight_sync_failed", f"weight version {update.version} failed at {stage} (try "
+                                f"{attempt + 1}): {err}", {"version": update.version, "try": attempt + 1,
+                                                            "stage": stage})
+                if attempt == self.options.retries:
+                    raise RoleError(f"weight version {update.version} failed {attempt + 1} times ({err}); the "
+                                    "learner stays paused at this version and a server that failed it is fenced",
+                                    "read the servers' logs (and free space in rollout.options.publish_dir); see "
+                                    "`rlctl runbook show weight-sync-failure`") from None
+                time.sleep(self.options.retry_backoff_s * (2 ** attempt))
+        if attempt:
+            report_recovery("weight_sync_recovered", f"weight version {update.version} loaded and verified after "
+                            f"{attempt + 1} tries", {"version": update.version, "tries": attempt + 1})
         self.last_sync["weight_sync_bytes"] = float(report.num_bytes)
         self.last_sync["weight_sync_publish_s"] = report.latency_s
+
+    def _check_published(self, path: str, state: Mapping[str, Any]) -> None:
+        """The published bytes against the learner's tensors, every tensor, before any server reads them (the
+        CPU build's own digests cover only the embedding and the norms)."""
+        wrong = published_mismatches(path, state)
+        if wrong:
+            raise _SyncFailed("published", f"the published bytes of {wrong[:5]} at {path} differ from the "
+                              "learner's tensors; no server loaded them")
 
     def _sync_all(self, path: str, state: Mapping[str, Any] | None = None) -> None:
         """Load ``path`` on every server, or refuse it before any server is touched."""
@@ -165,24 +237,31 @@ class VLLMRollout:
                             "reloads in place: a new shape needs new servers)")
         started = time.monotonic()
         clients = [c for c in self.clients if c.url not in self.fenced or c.healthy(timeout_s=2.0)]
-        if not clients:
+        if not clients and state is None:
             raise RolloutUnavailable(f"no vLLM server answers to load weight version {self.policy_version}",
                                      "start the servers (or fix the network), then `rlctl resume`")
+        for client in self.clients:
+            if client not in clients:  # away: it reloads this version when it answers again (generate waits)
+                self.fenced[client.url] = UNREACHABLE
         futures = [(c, self._pool.submit(self._sync_one, c, path, state)) for c in clients]
-        errors = [(c, f.exception()) for c, f in futures if f.exception() is not None]
+        outcomes = [(c, f.exception()) for c, f in futures]  # waits for every server
         self.last_sync = {"weight_sync_s": time.monotonic() - started}
-        for client, err in errors:
-            self.fenced[client.url] = str(err)
+        errors = []
+        for client, err in outcomes:
+            if err is None:
+                continue
+            away = isinstance(err, ServerError) and err.unreachable
+            self.fenced[client.url] = UNREACHABLE if away else str(err)
             report_recovery("rollout_server_fenced", f"{client.url} fenced at weight version "
                             f"{self.policy_version}: {err}", {"server": client.url, "version": self.policy_version})
+            if not away:  # an unreachable one is resynced to this version when it answers again
+                errors.append((client, err))
         if not errors:
             self.current_path = path
         if errors:
             client, err = errors[0]
-            raise RoleError(f"weight version {self.policy_version} failed on {client.url} ({err}); that server is "
-                            "fenced and serves nothing until a sync succeeds on it",
-                            "read the server's log; the learner stays paused at this version; see `rlctl runbook "
-                            "show weight-sync-failure`")
+            raise _SyncFailed("load", f"weight version {self.policy_version} failed on {client.url} ({err}); "
+                              "that server is fenced and serves nothing until a sync succeeds on it")
 
     def _sync_one(self, client: VLLMClient, path: str, state: Mapping[str, Any] | None) -> None:
         client.pause()
@@ -222,25 +301,27 @@ class VLLMRollout:
         started = time.time()
         answers: dict[int, list[dict[str, Any]]] = {}
         pending = list(range(len(requests)))
-        for _ in range(self.options.retries + 1):
+        for attempt in range(self.options.retries + 1):
             ready = self._ready()
-            futures = {k: self._pool.submit(self._complete, self.clients[self._route(requests[k].prompt_id, ready)],
-                                            requests[k]) for k in pending}
-            pending, lost = [], set()
+            if attempt == 0:  # a server crash (injected): its pid, for launched servers
+                fault_site("rollout.dispatch", clients=self.clients,
+                           pids=[p and p.pid for p in self.engines.procs] if self.engines is not None else ())
+            routes = {k: self._route(requests[k].prompt_id, ready) for k in pending}
+            futures = {k: self._pool.submit(self._complete, self.clients[i], requests[k]) for k, i in routes.items()}
+            pending, lost = [], {}
             for k, future in futures.items():
                 error = future.exception()
                 if error is None:
                     answers[k] = future.result()
                 elif isinstance(error, ServerError) and error.unreachable:
                     pending.append(k)  # the whole group again, on a server that answers
-                    lost.add(error.url)
+                    lost[error.url] = lost.get(error.url, 0) + 1
                 else:
                     raise error
-            for url in sorted(lost):
-                report_recovery("rollout_server_lost", f"{url} unreachable during generate; its prompt groups are "
-                                "generated again, whole", {"server": url})
-                if self.engines is None:
-                    self.fenced[url] = "unreachable during generate"
+            for url, groups in sorted(lost.items()):
+                report_recovery("rollout_server_lost", f"{url} unreachable during generate; its {groups} prompt "
+                                "group(s) are generated again, whole", {"server": url, "groups": groups})
+                self.fenced[url] = UNREACHABLE  # a launched one that died is restarted, others probed
             if not pending:
                 break
         if pending:
@@ -248,16 +329,46 @@ class VLLMRollout:
         return [t for k, req in enumerate(requests) for t in self._trajectories(req, answers[k], started)]
 
     def _ready(self) -> list[int]:
-        """Servers that may get work: launched ones that died are restarted and resynced first."""
-        if self.engines is not None:
-            for i, client in enumerate(self.clients):
-                if not self.engines.alive(i):
-                    self._restart(i, client)
-        ready = [i for i, c in enumerate(self.clients) if c.url not in self.fenced]
-        if not ready:
+        """Servers that may get work: launched ones that died are restarted and resynced first, unreachable ones
+        that answer again are resynced; when none is left, wait for one (a partition) up to reconnect_timeout_s."""
+        ready = self._probe()
+        if ready:
+            return ready
+        if UNREACHABLE not in self.fenced.values():
             raise RolloutUnavailable(f"every vLLM server is fenced ({'; '.join(self.fenced.values())})",
                                      "read the servers' logs and fix the weight sync, then `rlctl resume`")
+        started, urls = time.monotonic(), [c.url for c in self.clients]
+        report_recovery("rollout_partition", f"no vLLM server reachable; generation paused, probing for up to "
+                        f"{self.options.reconnect_timeout_s:g}s", {"servers": urls})
+        delay = 0.1
+        while not ready:
+            waited = time.monotonic() - started
+            if waited >= self.options.reconnect_timeout_s:
+                raise RolloutUnavailable(f"no vLLM server of {urls} reachable for {waited:.0f}s",
+                                         "start the servers or fix the network, then `rlctl resume`; see `rlctl "
+                                         "runbook show network-partition`")
+            time.sleep(min(delay, self.options.reconnect_timeout_s - waited))
+            delay = min(delay * 2, 5.0)
+            ready = self._probe()
+        report_recovery("rollout_reconnected", f"vLLM server(s) {[urls[i] for i in ready]} back after "
+                        f"{time.monotonic() - started:.1f}s, resynced to weight version {self.policy_version}",
+                        {"servers": [urls[i] for i in ready], "down_s": round(time.monotonic() - started, 3)})
         return ready
+
+    def _probe(self) -> list[int]:
+        for i, client in enumerate(self.clients):
+            if self.engines is not None and not self.engines.alive(i):
+                self._restart(i, client)
+            elif self.fenced.get(client.url) == UNREACHABLE and client.healthy(timeout_s=2.0):
+                try:  # it may have missed a weight version while away: it serves only after it confirms this one
+                    self._sync_one(client, self.current_path, None)
+                except (RoleError, OSError):
+                    self.fenced[client.url] = UNREACHABLE
+                    continue
+                report_recovery("rollout_server_resynced", f"{client.url} answers again; reloaded and verified "
+                                f"weight version {self.policy_version} before it gets work",
+                                {"server": client.url, "version": self.policy_version})
+        return [i for i, c in enumerate(self.clients) if c.url not in self.fenced]
 
     def _restart(self, i: int, client: VLLMClient) -> None:
         report_recovery("rollout_server_lost", f"launched vLLM server {client.url} exited; restarting it",
@@ -333,12 +444,41 @@ class VLLMRollout:
         return {}  # the weights live in the vLLM server processes
 
     def close(self) -> None:
+        _release(self._claimed, self.ctx.seed)
+        self._claimed = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.engines is not None:
             self.engines.stop()
         if self._own_dir:
             shutil.rmtree(self.broadcaster.transport.root, ignore_errors=True)
+
+
+_DRIVERS: dict[str, list[int]] = {}  # attached server -> seeds of the live backends of this process driving it
+_DRIVERS_LOCK = threading.Lock()
+
+
+def _claim(urls: Sequence[str], seed: int) -> None:
+    """Refuse a second rollout worker (another seed) on an attached server: each worker reloads the servers
+    it drives to its own weight version, so two would tag each other's samples with the wrong version. A
+    rebuild of the same worker (same seed) and grading (the run's seed, worker 0's) may share them."""
+    with _DRIVERS_LOCK:
+        for url in urls:
+            if any(other != seed for other in _DRIVERS.get(url, ())):
+                raise RoleError(f"vLLM server {url} is already driven by another rollout worker of this run; two "
+                                "workers would reload it at different weight versions and mislabel samples",
+                                "set cluster.num_rollout_workers=1 (the servers in rollout.options.servers are "
+                                "the parallelism)")
+        for url in urls:
+            _DRIVERS.setdefault(url, []).append(seed)
+
+
+def _release(urls: Sequence[str], seed: int) -> None:
+    with _DRIVERS_LOCK:
+        for url in urls:
+            seeds = _DRIVERS.get(url, [])
+            if seed in seeds:
+                seeds.remove(seed)
 
 
 def _parse(choice: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]]:

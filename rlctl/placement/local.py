@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import RolloutUnavailable, WorkerLost
-from rlctl.contracts.roles import ClosableLearner, RolloutBackend
+from rlctl.contracts.roles import ClosableLearner, RolloutBackend, RunDirAware
 from rlctl.contracts.types import RolloutRequest, TaskData, Trajectory, WeightUpdate
 from rlctl.engine.producers import RolloutFleet
 from rlctl.engine.roles import Roles
@@ -65,6 +65,10 @@ class LocalWorker:
             raise WorkerLost(f"{type(err).__name__}: {err}") from err
         self._dead.append(self.backend)  # closed with the worker, never while a call may still be in it
         self.backend = backend
+
+    def use_run_dir(self, run_dir: str) -> None:
+        if isinstance(self.backend, RunDirAware):  # e.g. launched engine servers' logs
+            self.backend.use_run_dir(run_dir)
 
     def close(self) -> None:
         for backend in [*self._dead, self.backend]:

