@@ -27,6 +27,7 @@ from rlctl.config.load import apply_override, load_config, validate
 from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import CheckpointError
 from rlctl.contracts.checkpoints import CheckpointState
+from rlctl.engine.faults import drain_recoveries
 from rlctl.hooks.manager import Plugins
 from rlctl.lifecycle.provenance import code_version
 from rlctl.lifecycle.run import Run, TrainCallbacks, TrainResult, reconcile
@@ -56,6 +57,7 @@ def resume(run_ref: str, *, registry: Registry, plugins: Plugins, home: Path, co
         task = load_task(config, plugins)
         check = lambda problems: _refuse_or_warn(problems, allow_config_change, run.warn)  # noqa: E731
         check(compatibility_problems(state, config=config.model_dump(mode="json"), dataset_version=task.version))
+        drain_recoveries()  # reports from roles built before this run in this process are not this run's
         roles = run.adopt(place(config, plugins, cache_root=home / "cache", task=task, progress=run.cb.warm_start))
         check(compatibility_problems(state, tokenizer_hash=roles.tokenizer_hash))
         if state.code_version != (now := code_version()):

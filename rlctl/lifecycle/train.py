@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from rlctl.config.models import RunConfig
+from rlctl.engine.faults import drain_recoveries
 from rlctl.engine.rundir import RunDir
 from rlctl.hooks.manager import Plugins
 from rlctl.lifecycle.run import RegistrySink, Run, TrainCallbacks, TrainResult, checkpoint_store
@@ -32,6 +33,7 @@ def train(config: RunConfig, *, registry: Registry, plugins: Plugins, home: Path
     if run_dir is not None:
         RunDir(run_dir).refuse_foreign_checkpoints()
     progress = callbacks.warm_start if callbacks else None
+    drain_recoveries()  # reports from roles built before this run in this process (a library session) are not its
     placement = place(config, plugins, cache_root=home / "cache", progress=progress)
     run = Run.create(placement, registry=registry, plugins=plugins, home=home, run_dir=run_dir, callbacks=callbacks,
                      started=started)

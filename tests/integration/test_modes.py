@@ -77,17 +77,17 @@ def test_every_mode_stops_at_the_step_that_spends_the_wall_clock_budget(_rlctl_h
     from rlctl.lifecycle.train import train
     from rlctl.registry.store import Registry
 
-    budget = 1.5
+    budget = 1.5  # with far more steps than any machine runs in that time (a tiny step here: 25 ms)
     with Registry.open(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
         for mode in MODES:
-            config = load_config(None, [*TINY_OVERRIDES, f"mode={mode}", "train.steps=40",
+            config = load_config(None, [*TINY_OVERRIDES, f"mode={mode}", "train.steps=2000",
                                         f"train.max_wall_seconds={budget}", "eval.at_end=false",
                                         "checkpoint.every_steps=0", "staleness.max_staleness=1"])
             result = train(config, registry=reg, plugins=load_plugins(), home=_rlctl_home, run_dir=tmp_path / mode)
             assert result.run.status == "succeeded", mode
             steps = _by_step(reg.metrics(result.run.id))
             seconds = [steps[s]["rl_seconds_total"] for s in sorted(steps)]
-            assert len(seconds) < 40 and seconds[-1] >= budget, (mode, seconds)
+            assert len(seconds) < 2000 and seconds[-1] >= budget, (mode, seconds)
             assert all(s < budget for s in seconds[:-1]), (mode, seconds)
             assert all(b > a for a, b in zip(seconds, seconds[1:])), (mode, seconds)
 
