@@ -265,7 +265,8 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "    except OSError as err:\n"
      "        if err.errno != errno.EPERM: print('ESCAPED:socket', fam, kind, err)\n" + _ANSWER, {PASSED}),
     ("seccomp-foreign-abi", "import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-     "if platform.machine() == 'x86_64': libc.syscall(0x40000000 | 39)  # x32 getpid: the filter kills\n"
+     "if platform.machine() == 'x86_64':  # x32 getpid: the filter kills the process before it returns\n"
+     "    r = libc.syscall(0x40000000 | 39); print('ESCAPED:x32 call returned', r, ctypes.get_errno())\n"
      "raise SystemExit(3)  # no second ABI to try elsewhere\n" + _ANSWER, {FAILED}),
     ("ordinary-python-still-works", "import asyncio, json, os, socket, subprocess, tempfile, threading\n"
      "from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor\n"
@@ -416,7 +417,8 @@ def test_dropping_the_seccomp_filter_lets_the_payloads_escape(world) -> None:
     _, _, values = world
     weak = Sandbox(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, pids=16), drop_flags=("--seccomp",))
     escaped = []
-    for name in ("seccomp-keyctl", "seccomp-userfaultfd", "seccomp-raw-sockets", "seccomp-ptrace"):
+    for name in ("seccomp-keyctl", "seccomp-userfaultfd", "seccomp-raw-sockets", "seccomp-ptrace",
+                 "seccomp-foreign-abi"):
         verdict = judge(weak, dict(PAYLOADS_BY_NAME)[name].format(**values), SETUP, TESTS)
         seen = b"" if verdict.run is None else verdict.run.stderr
         if b"ESCAPED" in seen:
