@@ -264,10 +264,17 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "    try:\n        socket.socket(fam, kind).close(); print('ESCAPED:socket', fam, kind)\n"
      "    except OSError as err:\n"
      "        if err.errno != errno.EPERM: print('ESCAPED:socket', fam, kind, err)\n" + _ANSWER, {PASSED}),
-    ("seccomp-foreign-abi", "import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    ("seccomp-foreign-abi-x32", "import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
      "if platform.machine() == 'x86_64':  # x32 getpid: the filter kills the process before it returns\n"
      "    r = libc.syscall(0x40000000 | 39); print('ESCAPED:x32 call returned', r, ctypes.get_errno())\n"
      "raise SystemExit(3)  # no second ABI to try elsewhere\n" + _ANSWER, {FAILED}),
+    ("seccomp-foreign-abi-i386", "import ctypes, mmap, platform\n"
+     "if platform.machine() == 'x86_64':  # i386 getpid via int 0x80: the filter kills the process\n"
+     "    mem = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+     "    mem.write(b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3')  # mov eax, 20; int 0x80; ret\n"
+     "    call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(mem)))\n"
+     "    print('ESCAPED:i386 call returned', call())\n"
+     "raise SystemExit(3)\n" + _ANSWER, {FAILED}),
     ("ordinary-python-still-works", "import asyncio, json, os, socket, subprocess, tempfile, threading\n"
      "from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor\n"
      "box = []\nts = [threading.Thread(target=box.append, args=(i,)) for i in range(4)]\n"
@@ -418,7 +425,7 @@ def test_dropping_the_seccomp_filter_lets_the_payloads_escape(world) -> None:
     weak = Sandbox(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, pids=16), drop_flags=("--seccomp",))
     escaped = []
     for name in ("seccomp-keyctl", "seccomp-userfaultfd", "seccomp-raw-sockets", "seccomp-ptrace",
-                 "seccomp-foreign-abi"):
+                 "seccomp-foreign-abi-x32", "seccomp-foreign-abi-i386"):
         verdict = judge(weak, dict(PAYLOADS_BY_NAME)[name].format(**values), SETUP, TESTS)
         seen = b"" if verdict.run is None else verdict.run.stderr
         if b"ESCAPED" in seen:
