@@ -293,10 +293,12 @@ class CodeReward:
 
     def fingerprint(self) -> str:
         """A hash of everything that decides a verdict besides the code under test: the program and test
-        templates, scoring rules, interpreter, every sandbox limit, the jail's flags and the in-jail harness."""
+        templates, scoring rules, interpreter, every sandbox limit, the jail's flags and seccomp filter and the
+        in-jail harness."""
         o = self.options
         graded = {"program": o.program, "tests": o.tests, "score": o.score, "on_timeout": o.on_timeout,
                   "python": o.python, "limits": asdict(self.sandbox.limits), "jail": self.sandbox.bwrap_args(),
+                  "seccomp": (self.sandbox.seccomp() or b"").hex(),
                   "harness": hashlib.sha256(HARNESS.encode()).hexdigest()}
         return hashlib.sha256(json.dumps(graded, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -9,21 +9,32 @@ namespaces disabled inside, and ``--die-with-parent``. Around bwrap:
 * it runs as an unprivileged uid (``nobody``) outside too, so a jail break
   lands in an account that owns nothing;
 * hard rlimits: CPU seconds, address space, file size, open files, no core;
+* a seccomp filter (``bwrap --seccomp``, built by ``rlctl_rewards.seccomp``) makes
+  the kernel surface a jail has no use for fail with EPERM: ptrace and
+  process_vm_*, mount and the new mount API, unshare/setns and clone with
+  namespace flags, keyctl, bpf, perf_event_open, userfaultfd, io_uring,
+  module and kexec loading, open_by_handle_at, and raw, packet and netlink
+  sockets; clone3 gets ENOSYS (its flags are in memory, out of the filter's
+  reach), so libc falls back to clone; a syscall of another ABI (i386, x32)
+  kills the process;
 * a cgroup per run caps processes (``pids.max``; RLIMIT_NPROC does not bind
-  root and would be shared by concurrent runs) and memory (``memory.limit``),
-  and is how leftovers are found and killed after the run;
+  root and would be shared by concurrent runs) and memory, and is how
+  leftovers are found and killed after the run: a cgroup v2 subtree with the
+  pids and memory controllers delegated if there is one, else cgroup v1;
 * a wall-clock deadline enforced here, outside: the whole tree is SIGKILLed
   (bwrap's PID namespace dies with its init, then the cgroup is swept);
 * stdout and stderr are capped; a run past either cap is killed.
 
 Fail closed: ``Sandbox.check`` (called before the first run) raises
 ``SandboxUnavailable`` naming what is missing (bwrap, root, a
-writable pids+memory cgroup, a jail that actually starts). Nothing here ever
+writable pids+memory cgroup (v2 or v1), a supported architecture for the
+seccomp filter, a jail that actually starts). Nothing here ever
 runs code without the jail.
 
 What this is not: the test harness (``rlctl_rewards.code`` builds the job and
-judges the records) or a seccomp filter: syscalls are not filtered, so the
-kernel is still the attack surface (use gVisor if that matters to you).
+judges the records) or a kernel boundary: the filter denies a list, so every
+syscall not on it still reaches the host kernel (use gVisor if that matters
+to you).
 """
 
 from __future__ import annotations
@@ -41,10 +52,14 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from rlctl.contracts.errors import RlctlError
+from rlctl_rewards.seccomp import seccomp_program
 
 NOBODY = 65534
 LAUNCHER_PYTHON = "/usr/bin/python3"
 _V1_ROOT = Path("/sys/fs/cgroup")
+_NO_CGROUP_FIX = ("delegate the pids and memory controllers to a writable cgroup v2 subtree (its "
+                  "cgroup.subtree_control lists 'pids memory'), or mount the cgroup v1 pids and memory "
+                  "controllers writable under /sys/fs/cgroup, and run as root")
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # all the launcher (and so bwrap) ever sees
 
 Status = Literal["exited", "timeout", "output_limit"]
@@ -86,37 +101,53 @@ class RunResult:
 
 @dataclass
 class _Cgroup:
-    """One run's cgroup v1 pair (pids + memory), created empty and removed after."""
+    """One run's cgroups: a v1 pair (pids + memory) or one v2 directory (then ``pids == memory``).
+
+    Created empty, removed after the run.
+    """
 
     pids: Path
     memory: Path
+    version: int = 1
     created: list[Path] = field(default_factory=list)
 
     @classmethod
-    def create(cls, limits: Limits) -> "_Cgroup":
+    def create(cls, limits: Limits, v2_parent: Path | None = None, v1_root: Path = _V1_ROOT) -> "_Cgroup":
+        """The run's cgroup under ``v2_parent`` (default: a delegated v2 subtree found here), else v1."""
         name = f"rlctl-sbx-{os.getpid()}-{secrets.token_hex(4)}"
-        group = cls(pids=_own_v1("pids") / name, memory=_own_v1("memory") / name)
+        parent = v2_parent if v2_parent is not None else _v2_parent()
+        if parent is not None:
+            group = cls(pids=parent / name, memory=parent / name, version=2)
+        else:
+            pids, memory = _own_v1(v1_root, "pids"), _own_v1(v1_root, "memory")
+            if pids is None or memory is None:
+                raise SandboxUnavailable(
+                    f"no cgroup with the pids and memory controllers: no cgroup v2 subtree delegates them and "
+                    f"no cgroup v1 pids+memory hierarchies are mounted under {v1_root}", _NO_CGROUP_FIX)
+            group = cls(pids=pids / name, memory=memory / name)
+        mem = str(limits.memory_mb << 20)
         try:
-            for path in (group.pids, group.memory):
+            for path in dict.fromkeys((group.pids, group.memory)):
                 path.mkdir()
                 group.created.append(path)
             (group.pids / "pids.max").write_text(str(limits.pids))
-            mem = str(limits.memory_mb << 20)
-            (group.memory / "memory.limit_in_bytes").write_text(mem)
-            memsw = group.memory / "memory.memsw.limit_in_bytes"
-            if memsw.exists():  # no swap either: memory+swap gets the same cap
-                memsw.write_text(mem)
+            if group.version == 2:
+                (group.memory / "memory.max").write_text(mem)
+                (group.memory / "memory.swap.max").write_text("0")
+            else:
+                (group.memory / "memory.limit_in_bytes").write_text(mem)
+                memsw = group.memory / "memory.memsw.limit_in_bytes"
+                if memsw.exists():  # no swap either: memory+swap gets the same cap
+                    memsw.write_text(mem)
         except OSError as err:
             group.remove()
             raise SandboxUnavailable(
-                f"cannot create a pids+memory cgroup ({err})",
-                "run as root on a host with cgroup v1 pids and memory controllers mounted writable "
-                "under /sys/fs/cgroup (a process limit cannot be enforced otherwise)",
-            ) from None
+                f"cannot create a pids+memory cgroup v{group.version} ({err})",
+                _NO_CGROUP_FIX + " (a process limit cannot be enforced otherwise)") from None
         return group
 
-    def procs_files(self) -> tuple[str, str]:
-        return str(self.pids / "cgroup.procs"), str(self.memory / "cgroup.procs")
+    def procs_files(self) -> list[str]:
+        return [str(path / "cgroup.procs") for path in dict.fromkeys((self.pids, self.memory))]
 
     def members(self) -> list[int]:
         pids: set[int] = set()
@@ -153,6 +184,9 @@ class _Cgroup:
 
     def oom_killed(self) -> bool:
         try:
+            if self.version == 2:
+                events = _keyed((self.memory / "memory.events").read_text())
+                return events.get("oom_kill", 0) > 0 or events.get("max", 0) > 0
             control = (self.memory / "memory.oom_control").read_text()
             failcnt = int((self.memory / "memory.failcnt").read_text())
         except (OSError, ValueError):
@@ -162,8 +196,8 @@ class _Cgroup:
 
     def pids_limited(self) -> bool:
         try:
-            return int((self.pids / "pids.events").read_text().split()[1]) > 0
-        except (OSError, ValueError, IndexError):
+            return _keyed((self.pids / "pids.events").read_text()).get("max", 0) > 0
+        except (OSError, ValueError):
             return False
 
     def remove(self) -> None:
@@ -179,14 +213,16 @@ class _Cgroup:
         self.created.clear()
 
 
-def _own_v1(controller: str) -> Path:
-    """This process's cgroup directory in a v1 hierarchy (runs nest under it, so outer limits hold)."""
-    base = _V1_ROOT / controller
+def _keyed(text: str) -> dict[str, int]:
+    """A flat-keyed cgroup file (``pids.events``, ``memory.events``) as a dict."""
+    return {key: int(value) for key, value in (line.split() for line in text.splitlines() if line.strip())}
+
+
+def _own_v1(root: Path, controller: str) -> Path | None:
+    """This process's cgroup directory in a v1 hierarchy (runs nest under it, so outer limits hold), or None."""
+    base = root / controller
     if not (base / "cgroup.procs").exists():
-        raise SandboxUnavailable(
-            f"no cgroup v1 {controller!r} hierarchy at {base}",
-            "mount the pids and memory controllers (cgroup v1) writable; cgroup v2 delegation is not supported yet",
-        )
+        return None
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, names, path = line.split(":", 2)
         if controller in names.split(","):
@@ -195,11 +231,51 @@ def _own_v1(controller: str) -> Path:
     return base
 
 
+def _v2_mount() -> Path | None:
+    """Where cgroup2 is mounted (``/sys/fs/cgroup``, or ``.../unified`` on a hybrid host), if anywhere."""
+    try:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - cgroup2 " in line and len(fields) > 4:
+            return Path(fields[4])
+    return None
+
+
+def _v2_parent(root: Path | None = None, own: str | None = None) -> Path | None:
+    """A writable v2 directory whose children get the pids and memory controllers, or None.
+
+    Looks at this process's own cgroup (``own``, as in ``/proc/self/cgroup``'s ``0::`` line) and then
+    its parent, never above ``root``: a delegated subtree enables ``pids memory`` in its
+    ``cgroup.subtree_control`` and lets us write there.
+    """
+    root = root if root is not None else _v2_mount()
+    if root is None:
+        return None
+    if own is None:
+        lines = [line for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")]
+        own = lines[0][3:] if lines else "/"
+    here = root / own.strip().lstrip("/")
+    for candidate in (here, here.parent):
+        if not candidate.is_relative_to(root):
+            break
+        try:
+            enabled = (candidate / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            continue
+        if {"pids", "memory"} <= set(enabled) and os.access(candidate, os.W_OK):
+            return candidate
+    return None
+
+
 class Sandbox:
     """A bwrap jail with resource limits; see the module docstring for what it enforces.
 
-    ``drop_flags`` removes bwrap flags from the command. It exists only so a
-    test can prove the payload suite notices a missing isolation flag.
+    ``drop_flags`` removes bwrap flags from the command (``--seccomp`` drops the
+    filter). It exists only so a test can prove the payload suite notices a
+    missing isolation flag.
     """
 
     def __init__(self, limits: Limits | None = None, python: str = "/usr/bin/python3", *,
@@ -223,8 +299,18 @@ class Sandbox:
             "--remount-ro", "/",
         ]
         for flag in self.drop_flags:
-            args.remove(flag)
+            if flag != "--seccomp":  # the launcher adds that one (it owns the fd)
+                args.remove(flag)
         return args
+
+    def seccomp(self) -> bytes | None:
+        """The seccomp program the jail runs under (None only when a test dropped ``--seccomp``)."""
+        if "--seccomp" in self.drop_flags:
+            return None
+        try:
+            return seccomp_program()
+        except ValueError as err:
+            raise SandboxUnavailable(str(err), "grade code on an x86_64 or aarch64 host") from None
 
     def launcher_args(self, cgroup: _Cgroup, argv: Sequence[str]) -> list[str]:
         """The trusted root launcher (see ``LAUNCHER``) with this run's cgroups, rlimits and command."""
@@ -234,6 +320,7 @@ class Sandbox:
             "rlimits": {"RLIMIT_CPU": lim.cpu_s, "RLIMIT_AS": lim.memory_mb << 20,
                         "RLIMIT_FSIZE": lim.tmpfs_mb << 20, "RLIMIT_NOFILE": lim.nofile, "RLIMIT_CORE": 0},
             "argv": [*self.bwrap_args(), *argv],
+            "seccomp": (self.seccomp() or b"").hex(),
         }
         return [LAUNCHER_PYTHON, "-I", "-S", "-c", LAUNCHER, json.dumps(spec)]
 
@@ -251,6 +338,7 @@ class Sandbox:
                 "not running as root, so no per-run cgroup can cap processes and memory",
                 "run rlctl as root (for example in its container), or grade code elsewhere",
             )
+        self.seccomp()  # raises on an architecture the filter does not know
         if not os.access(self.python, os.X_OK) or not os.stat(self.python).st_mode & 0o001:
             raise SandboxUnavailable(f"interpreter {self.python} is not executable by everyone",
                                      "point the code reward's python option at a system python3")
@@ -374,7 +462,7 @@ def _communicate(proc: subprocess.Popen[bytes], stdin: bytes, deadline: float,
 # under a container init that never reaps), forks the jail's first process, and exits with its
 # status once every descendant is reaped. The child joins the run's cgroups while still root,
 # lowers hard rlimits, drops to the unprivileged uid for good, re-arms PDEATHSIG (a uid change
-# clears it) and execs bwrap.
+# clears it), puts the seccomp program in a pipe for ``bwrap --seccomp FD`` and execs bwrap.
 LAUNCHER = r"""
 import ctypes, json, os, resource, signal, sys
 spec = json.loads(sys.argv[1])
@@ -399,7 +487,16 @@ if pid == 0:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(125)
-        os.execvp(spec["argv"][0], spec["argv"])
+        argv = spec["argv"]
+        if spec["seccomp"]:
+            program = bytes.fromhex(spec["seccomp"])
+            read, write = os.pipe()
+            if os.write(write, program) != len(program):
+                os._exit(125)
+            os.close(write)
+            os.set_inheritable(read, True)
+            argv = [argv[0], "--seccomp", str(read), *argv[1:]]
+        os.execvp(argv[0], argv)
     except BaseException as err:
         os.write(2, ("rlctl sandbox launcher: " + repr(err) + "\n").encode())
     os._exit(125)

@@ -112,6 +112,14 @@ def world(tmp_path_factory: pytest.TempPathFactory, _sandbox_problem):
 
 
 TIMEOUT, FAILED, PASSED = "timeout", "failed", "passed"
+# Kernel-surface payloads call syscalls by number (x86_64, aarch64): ``denied`` prints ESCAPED unless the
+# call fails with the errno the seccomp filter returns (EPERM unless told).
+_SYSCALL = ("import ctypes, os, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "arm = platform.machine() in ('aarch64', 'arm64')\n"
+            "def denied(what, x86, arm64, *args, errno=1):\n"
+            "    ctypes.set_errno(0)\n    r = libc.syscall(arm64 if arm else x86, *args)\n"
+            "    if r >= 0 or ctypes.get_errno() != errno: print('ESCAPED:' + what, r, ctypes.get_errno())\n")
+_ANSWER = "def answer(): return 42"
 NOT_PASSED = {FAILED, TIMEOUT}
 ANY = {FAILED, TIMEOUT, PASSED}
 
@@ -193,7 +201,8 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "s.sendto(b'ESCAPED', ('127.0.0.1', {udp_port}))\ndef answer(): return 42", {PASSED}),
     ("raw-icmp", "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)", {FAILED}),
     ("unix-socket", "import socket\ns = socket.socket(socket.AF_UNIX); s.connect('{unix}')", {FAILED}),
-    ("list-interfaces", "import socket\nnames = [n for _, n in socket.if_nameindex()]\n"
+    ("list-interfaces", "import socket\ntry: names = [n for _, n in socket.if_nameindex()]\n"
+     "except OSError: names = [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]]  # no netlink\n"
      "if set(names) - {{'lo'}}: print('ESCAPED:interfaces', names)\ndef answer(): return 42", {PASSED}),
     # -- C.4 processes, privileges, kernel surface
     ("dump-environ", "import os; print(dict(os.environ)); print(open('/proc/self/environ').read())\n"
@@ -218,6 +227,67 @@ PAYLOADS: list[tuple[str, str, set[str]]] = [
      "if any(l.split()[1].strip('0') for l in caps): print('ESCAPED:caps', caps)\ndef answer(): return 42", {PASSED}),
     ("unshare-userns", "import subprocess\nr = subprocess.run(['unshare', '-Ur', 'id'], capture_output=True)\n"
      "if r.returncode == 0: print('ESCAPED:userns', r.stdout)\ndef answer(): return 42", {PASSED}),
+    # -- C.4 kernel surface: the seccomp filter answers EPERM (clone3: ENOSYS), whatever else would have
+    # stopped the call. Each payload checks the errno, so a call refused for another reason still shows.
+    ("seccomp-ptrace", _SYSCALL + "denied('ptrace-traceme', 101, 117, 0, 0, None, None)\n"
+     "denied('process_vm_readv', 310, 270, os.getppid(), None, 0, None, 0, 0)\n" + _ANSWER, {PASSED}),
+    ("seccomp-mount-api", _SYSCALL + "denied('fsopen', 430, 430, b'tmpfs', 0)\n"
+     "denied('open_tree', 428, 428, -100, b'/usr', 1)\ndenied('umount2', 166, 39, b'/proc', 2)\n"
+     "denied('pivot_root', 155, 41, b'/tmp', b'/tmp')\ndenied('mount', 165, 40, b'none', b'/tmp', b'tmpfs', 0, None)\n"
+     + _ANSWER, {PASSED}),
+    ("seccomp-unshare", _SYSCALL + "for flag in (0x10000000, 0x20000, 0x40000000, 0x20000000):\n"
+     "    denied('unshare', 272, 97, flag)\ndenied('setns', 308, 268, 0, 0)\n" + _ANSWER, {PASSED}),
+    ("seccomp-clone-namespace", _SYSCALL + "for flag in (0x10000000, 0x20000, 0x40000000):\n"
+     "    r = libc.syscall(220 if arm else 56, flag | 17, None, None, None, None)\n"
+     "    if r == 0: os._exit(0)\n"
+     "    if r > 0 or ctypes.get_errno() != 1: print('ESCAPED:clone', hex(flag), r, ctypes.get_errno())\n"
+     "denied('clone3', 435, 435, None, 0, errno=38)  # ENOSYS: libc falls back to clone\n" + _ANSWER, {PASSED}),
+    ("seccomp-keyctl", _SYSCALL + "denied('add_key', 248, 217, b'user', b'k', b'v', 1, -3)\n"
+     "denied('keyctl-join', 250, 219, 1, None)\ndenied('request_key', 249, 218, b'user', b'k', None, 0)\n"
+     + _ANSWER, {PASSED}),
+    ("seccomp-bpf", _SYSCALL + "for cmd in (0, 5, 18):\n    denied('bpf', 321, 280, cmd, None, 0)\n" + _ANSWER,
+     {PASSED}),
+    ("seccomp-perf-event-open", _SYSCALL + "attr = ctypes.create_string_buffer(128)\n"
+     "denied('perf_event_open', 298, 241, attr, 0, -1, -1, 0)\n" + _ANSWER, {PASSED}),
+    ("seccomp-userfaultfd", _SYSCALL + "for flags in (1, 0, 0o4000):\n"
+     "    denied('userfaultfd', 323, 282, flags)\n"
+     "if os.path.exists('/dev/userfaultfd'): print('ESCAPED:/dev/userfaultfd')\n" + _ANSWER, {PASSED}),
+    ("seccomp-io-uring", _SYSCALL + "params = ctypes.create_string_buffer(120)\n"
+     "denied('io_uring_setup', 425, 425, 4, params)\n" + _ANSWER, {PASSED}),
+    ("seccomp-modules-kexec", _SYSCALL + "denied('init_module', 175, 105, None, 0, b'')\n"
+     "denied('finit_module', 313, 273, 0, b'', 0)\ndenied('kexec_load', 246, 104, 0, 0, None, 0)\n"
+     "denied('open_by_handle_at', 304, 265, -100, ctypes.create_string_buffer(64), 0)\n" + _ANSWER, {PASSED}),
+    ("seccomp-raw-sockets", "import errno, socket\n"
+     "for fam, kind in ((socket.AF_PACKET, socket.SOCK_RAW), (socket.AF_PACKET, socket.SOCK_DGRAM),\n"
+     "                  (socket.AF_INET, socket.SOCK_RAW), (socket.AF_INET6, socket.SOCK_RAW | socket.SOCK_NONBLOCK),\n"
+     "                  (socket.AF_INET, 10), (socket.AF_NETLINK, socket.SOCK_RAW), (socket.AF_NETLINK, socket.SOCK_DGRAM)):\n"
+     "    try:\n        socket.socket(fam, kind).close(); print('ESCAPED:socket', fam, kind)\n"
+     "    except OSError as err:\n"
+     "        if err.errno != errno.EPERM: print('ESCAPED:socket', fam, kind, err)\n" + _ANSWER, {PASSED}),
+    ("seccomp-foreign-abi-x32", "import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "if platform.machine() == 'x86_64':  # x32 getpid: the filter kills the process before it returns\n"
+     "    r = libc.syscall(0x40000000 | 39); print('ESCAPED:x32 call returned', r, ctypes.get_errno())\n"
+     "raise SystemExit(3)  # no second ABI to try elsewhere\n" + _ANSWER, {FAILED}),
+    ("seccomp-foreign-abi-i386", "import ctypes, mmap, platform\n"
+     "if platform.machine() == 'x86_64':  # i386 getpid via int 0x80: the filter kills the process\n"
+     "    mem = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+     "    mem.write(b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3')  # mov eax, 20; int 0x80; ret\n"
+     "    call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(mem)))\n"
+     "    print('ESCAPED:i386 call returned', call())\n"
+     "raise SystemExit(3)\n" + _ANSWER, {FAILED}),
+    ("ordinary-python-still-works", "import asyncio, json, os, socket, subprocess, tempfile, threading\n"
+     "from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor\n"
+     "box = []\nts = [threading.Thread(target=box.append, args=(i,)) for i in range(4)]\n"
+     "[t.start() for t in ts]; [t.join() for t in ts]\nassert sorted(box) == [0, 1, 2, 3], box\n"
+     "with ThreadPoolExecutor(2) as ex: assert list(ex.map(abs, [-1, -2])) == [1, 2]\n"
+     "with ProcessPoolExecutor(2) as ex: assert list(ex.map(abs, [-3, -4])) == [3, 4]\n"
+     "assert subprocess.run(['python3', '-c', 'print(6 * 7)'], capture_output=True).stdout == b'42\\n'\n"
+     "pid = os.fork()\nif pid == 0: os._exit(7)\nassert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7\n"
+     "a, b = socket.socketpair(); a.sendall(b'x'); assert b.recv(1) == b'x'\n"
+     "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.close()\n"
+     "assert asyncio.run(asyncio.sleep(0, 42)) == 42\n"
+     "with tempfile.TemporaryDirectory() as d: open(os.path.join(d, 'f'), 'w').write(json.dumps([1]))\n"
+     "def answer(): return 42", {PASSED}),
     # -- C.5 grader tampering
     ("sys-exit-0", "import sys; sys.exit(0)", {FAILED}),
     ("os-exit-0", "import os; os._exit(0)", {FAILED}),
@@ -286,7 +356,8 @@ def _leftover_cgroups() -> list[str]:
 
 # A quick subset runs in the default suite; the whole catalogue (about 2.5 min) is marked slow (CI runs it).
 QUICK = {"tcp-host-loopback", "dump-environ", "proc-all-environ", "write-host-path", "os-exit-0", "always-equal",
-         "no-route-out", "no-resolver", "forge-from-main", "steal-verdict-stream"}
+         "no-route-out", "no-resolver", "forge-from-main", "steal-verdict-stream", "seccomp-keyctl",
+         "seccomp-raw-sockets", "seccomp-clone-namespace", "ordinary-python-still-works"}
 
 
 @pytest.mark.parametrize(("name", "code", "allowed"), [
@@ -346,6 +417,21 @@ def test_dropping_the_network_namespace_lets_the_payload_escape(world) -> None:
         routes = judge(weak, dict(PAYLOADS_BY_NAME)["no-route-out"], SETUP, TESTS)
         assert routes.run is not None and b"ESCAPED:route" in routes.run.stderr, routes.detail
         TABLE.append(f"{'[no --unshare-net]':<22} no-route-out saw the host's routes")
+
+
+def test_dropping_the_seccomp_filter_lets_the_payloads_escape(world) -> None:
+    """The kernel-surface payloads have teeth: without the filter some of their calls succeed in the same jail."""
+    _, _, values = world
+    weak = Sandbox(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, pids=16), drop_flags=("--seccomp",))
+    escaped = []
+    for name in ("seccomp-keyctl", "seccomp-userfaultfd", "seccomp-raw-sockets", "seccomp-ptrace",
+                 "seccomp-foreign-abi-x32", "seccomp-foreign-abi-i386"):
+        verdict = judge(weak, dict(PAYLOADS_BY_NAME)[name].format(**values), SETUP, TESTS)
+        seen = b"" if verdict.run is None else verdict.run.stderr
+        if b"ESCAPED" in seen:
+            escaped.append(name)
+            TABLE.append(f"{'[no --seccomp]':<22} {name} escaped: {seen.split(b'ESCAPED')[1][:50]!r}")
+    assert escaped, "expected some kernel-surface payload to get through without the seccomp filter"
 
 
 PAYLOADS_BY_NAME = [(name, code) for name, code, _ in PAYLOADS]
