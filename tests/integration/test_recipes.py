@@ -100,3 +100,13 @@ def test_quickstart_recipe_dry_runs(path: Path, plugins, tmp_path):
     assert all(c.ok for c in report.checks), report.checks
     assert report.smoke is not None and report.smoke.steps == 2
     assert report.workload.critic == (path.name == "quickstart-ppo.yaml")  # the critic is in the memory ledger
+
+
+def test_credit_recipe_is_quickstart_ppo_on_partial_credit():
+    """configs/quickstart-ppo-credit.yaml is quickstart-ppo.yaml with the digit_credit reward in place of math, so
+    its critic's explained variance and hidden gain compare with quickstart-ppo's from the same warm start."""
+    credit = load_config(REPO / "configs" / "quickstart-ppo-credit.yaml")
+    ppo = load_config(REPO / "configs" / "quickstart-ppo.yaml")
+    assert [c.name for c in credit.reward.components] == ["digit_credit", "format"]
+    same = ("model", "task", "rollout", "algo", "train", "eval", "checkpoint")
+    assert {s: getattr(credit, s) for s in same} == {s: getattr(ppo, s) for s in same}
