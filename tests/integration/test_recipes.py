@@ -61,14 +61,16 @@ def test_quickstart_recipes_share_its_warm_start():
     """Each quickstart-<algo>.yaml starts RL from the quickstart's cached warm start (same model section, so the
     same cache key): the algorithm table compares estimators from one policy, and no recipe rebuilds the SFT stage."""
     base = load_config(REPO / "configs" / "quickstart.yaml").model
-    recipes = [p for p in sorted((REPO / "configs").glob("quickstart-*.yaml")) if "sloppy" not in p.name]
+    recipes = [p for p in sorted((REPO / "configs").glob("quickstart-*.yaml")) if "sloppy" not in p.name
+               and "mixed" not in p.name]  # quickstart-ppo-mixed: another task, its own warm start (own test)
     assert recipes
     for path in recipes:
         assert load_config(path).model == base, path.name
 
 
 QUICKSTART_RECIPES = sorted(p for p in (REPO / "configs").glob("quickstart-*.yaml") if "sloppy" not in p.name
-                            and "credit" not in p.name)  # quickstart-ppo-credit: another reward (own test)
+                            and "credit" not in p.name  # quickstart-ppo-credit: another reward (own test)
+                            and "mixed" not in p.name)  # quickstart-ppo-mixed: another task (own test)
 
 
 def test_quickstart_recipes_are_the_quickstart_with_one_estimator():
@@ -110,3 +112,13 @@ def test_credit_recipe_is_quickstart_ppo_on_partial_credit():
     assert [c.name for c in credit.reward.components] == ["digit_credit", "format"]
     same = ("model", "task", "rollout", "algo", "train", "eval", "checkpoint")
     assert {s: getattr(credit, s) for s in same} == {s: getattr(ppo, s) for s in same}
+
+
+def test_mixed_recipe_is_quickstart_ppo_on_mixed_difficulty():
+    """configs/quickstart-ppo-mixed.yaml is quickstart-ppo.yaml on arith with operand_mix (easy and hard prompts
+    together): the same model, reward, estimator and critic block, only the task (and so the warm start) differs."""
+    mixed = load_config(REPO / "configs" / "quickstart-ppo-mixed.yaml")
+    ppo = load_config(REPO / "configs" / "quickstart-ppo.yaml")
+    assert mixed.task.source == "arith" and mixed.task.options["operand_mix"] == [29, 99, 999]
+    same = ("model", "rollout", "reward", "algo", "train", "eval", "checkpoint")
+    assert {s: getattr(mixed, s) for s in same} == {s: getattr(ppo, s) for s in same}
