@@ -4,7 +4,10 @@ value function next to a trained critic's, per response position.
 On the arithmetic task the answer is known, so the policy's true value of a response prefix (of the math reward)
 is exact: 0 once the prefix has left the correct answer, else the probability that the policy completes it
 correctly, the product of its token probabilities along the correct continuation (one forward pass over prompt +
-answer + eos). This script samples batches from a policy (the quickstart's cached warm start unless
+answer + eos). With the ``digit_credit`` reward in the config (configs/quickstart-ppo-credit.yaml) the graded
+reward is that one: credit m / n for the m leading tokens of answer + eos written right (n of them, one character
+a token), so a prefix that left the answer after m tokens is worth m / n, and one still on it after k tokens is
+worth (k + E_k) / n with E_k = p_k (1 + E_k+1) the expected number of further right tokens. This script samples batches from a policy (the quickstart's cached warm start unless
 ``--policy DIR``) at the rollout temperature, and prints, over the response tokens and per position:
 
 - ``exact``: explained variance of that true value against the sampled math reward (the ceiling of any critic
@@ -83,8 +86,11 @@ def main() -> int:
 
     model = s.learner.model.eval()
 
+    graded = "digit_credit" if any(c.name == "digit_credit" for c in config.reward.components) else "math"
+
     def exact_values(scored, batch):
-        """[N, T]: the policy's probability of finishing each response prefix correctly (0 once off the answer)."""
+        """[N, T]: the policy's expected graded reward from each response prefix on (math: the probability of finishing
+        it correctly, 0 once off the answer; digit_credit: the credit already earned plus the expected rest)."""
         mask = batch.action_mask > 0
         v_exact = torch.zeros(mask.shape)
         for i, t in enumerate(scored):
@@ -97,11 +103,19 @@ def main() -> int:
             n = len(t.prompt_tokens)
             step = logp[n - 1:n - 1 + len(target)].gather(-1, torch.tensor(target).view(-1, 1)).squeeze(-1)
             suffix = torch.flip(torch.cumsum(torch.flip(step, [0]), 0), [0]).exp()  # P(correct from position k)
+            p, more = step.exp().tolist(), [0.0] * (len(target) + 1)  # more[k]: expected right tokens from k on
+            for k in reversed(range(len(target))):
+                more[k] = p[k] * (1.0 + more[k + 1])
             response = list(t.response_tokens)
+            right = next((j for j, (x, y) in enumerate(zip(response, target)) if x != y), min(len(response),
+                                                                                             len(target)))
             cols = mask[i].nonzero().flatten().tolist()
             for k, col in enumerate(cols):
                 on_path = k < len(target) and response[:k] == target[:k]
-                v_exact[i, col] = float(suffix[k]) if on_path else 0.0
+                if graded == "math":
+                    v_exact[i, col] = float(suffix[k]) if on_path else 0.0
+                else:
+                    v_exact[i, col] = (k + more[k] if on_path else right) / len(target)
         return v_exact
 
     value_model = s.critic.model
@@ -113,7 +127,7 @@ def main() -> int:
     for _ in range(args.critic_steps):  # the critic learns on its own batches, as in critic warm-up steps
         scored, batch = sample()
         if args.targets == "exact":  # oracle targets: the math reward's exact value + the (near-constant) format
-            fmt = torch.tensor([float(t.reward) - t.reward_components.get("math", 0.0) for t in scored]).view(-1, 1)
+            fmt = torch.tensor([float(t.reward) - t.reward_components.get(graded, 0.0) for t in scored]).view(-1, 1)
             targets = exact_values(scored, batch) + fmt * (batch.action_mask > 0)
         else:
             targets = torch.tensor([float(t.reward) for t in scored]).view(-1, 1) * (batch.action_mask > 0)  # [N, T]
@@ -128,12 +142,12 @@ def main() -> int:
         return torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0)).float()
 
     probe = None
-    if args.probe_batches:  # ridge regression of the math reward on [features, 1] over response tokens
+    if args.probe_batches:  # ridge regression of the graded reward on [features, 1] over response tokens
         xs, ys = [], []
         for _ in range(args.probe_batches):
             scored, batch = sample()
             m = batch.action_mask > 0
-            r = torch.tensor([t.reward_components.get("math", 0.0) for t in scored]).view(-1, 1).expand_as(m)
+            r = torch.tensor([t.reward_components.get(graded, 0.0) for t in scored]).view(-1, 1).expand_as(m)
             f = features(batch)[m]
             xs.append(torch.cat([f, torch.ones(len(f), 1)], -1).double())
             ys.append(r[m].double())
@@ -145,7 +159,7 @@ def main() -> int:
     for _ in range(args.batches):
         scored, batch = sample()
         mask = batch.action_mask > 0  # [N, T]
-        math_r.append(torch.tensor([t.reward_components.get("math", 0.0) for t in scored]).view(-1, 1) * mask)
+        math_r.append(torch.tensor([t.reward_components.get(graded, 0.0) for t in scored]).view(-1, 1) * mask)
         exact.append(exact_values(scored, batch))
         critic.append(s.critic.values(batch))
         if probe is not None:
@@ -161,7 +175,7 @@ def main() -> int:
     vp = cat(probed) if probed else None
     position = m.long().cumsum(-1) * m.long()  # 1-based position in the response
     print(f"{'tokens':<14}{'n':>6}{'exact value EV':>16}{'critic EV':>11}{'probe EV':>10}"
-          f"   (math reward mean {float(r[m > 0].mean()):.3f})")
+          f"   ({graded} reward mean {float(r[m > 0].mean()):.3f})")
     rows = [("all", m)] + [(f"position {k}", position == k) for k in range(1, int(position.max()) + 1)]
     for name, sel in rows:
         if int(sel.sum()) < 20:

@@ -76,6 +76,13 @@ GRIDS: dict[str, list[list[str]]] = {
         ["algo.name=ppo", "train.optim.lr=4e-5"],
         ["algo.name=ppo", "algo.critic.warmup_steps=0"],
     ],
+    # The critic on partial credit: run with --config configs/quickstart-ppo-credit.yaml (row 0: that recipe as is;
+    # docs/algorithms.md, "PPO on partial credit"): a 5x longer critic warm-up, a lower critic lr.
+    "ppo_credit": [
+        [],
+        ["algo.critic.warmup_steps=50"],
+        ["algo.critic.lr=3e-4", "algo.critic.warmup_steps=50"],
+    ],
     "rloo": [
         ["algo.name=rloo"],
         ["algo.name=rloo", "train.optim.lr=1e-5"],

@@ -1,4 +1,5 @@
-"""Built-in reward functions: "math", "format", "length", "code" and "reward_model".
+"""Built-in reward functions: "math", "digit_credit", "format", "length", "code" and
+"reward_model".
 
 What this is: the entry point ``rewards = "rlctl_rewards.plugin"``; it registers
 each reward with its options model, exactly as a third-party plugin would.
@@ -13,6 +14,7 @@ from typing import Callable
 
 from rlctl import hookimpl
 from rlctl_rewards.code import CodeOptions, CodeReward
+from rlctl_rewards.digit_credit import DigitCreditReward
 from rlctl_rewards.format import FormatOptions, FormatReward
 from rlctl_rewards.length import LengthOptions, LengthPenalty
 from rlctl_rewards.math import MathOptions, MathReward
@@ -21,11 +23,12 @@ from rlctl_rewards.reward_model import RewardModelOptions, RewardModelReward
 
 @hookimpl
 def register_reward_functions(register: Callable[..., None]) -> None:
-    """Register "math", "format", "length", "code" and "reward_model".
+    """Register "math", "digit_credit", "format", "length", "code" and "reward_model".
 
     Each factory is called as ``factory(options=...)``.
     """
     register("math", MathReward, options=MathOptions)
+    register("digit_credit", DigitCreditReward)
     register("format", FormatReward, options=FormatOptions)
     register("length", LengthPenalty, options=LengthOptions)
     register("code", CodeReward, options=CodeOptions)

@@ -30,6 +30,13 @@ class ArithOptions(BaseModel):
     num_train: int = Field(4000, ge=1)
     num_dev: int = Field(300, ge=1)
     num_hidden: int = Field(500, ge=1)
+    operand_mix: list[int] | None = Field(
+        None, min_length=2,
+        description="Mixed difficulty: the problems are split evenly between these operand bounds (each a "
+        "max_operand, e.g. [19, 99, 999]; a small bound that runs out of problems gives all it has), so some "
+        "prompts are near-certain and others near-hopeless; max_operand is then unused. Unset = one bound, "
+        "max_operand.",
+    )
     seed: int = Field(1234, description="Seed of the dataset itself (not of the run).")
     teacher_sign_error: float = Field(
         0.0, ge=0.0, le=1.0,
@@ -43,8 +50,19 @@ class ArithOptions(BaseModel):
         bad = set(self.ops) - set("+-*")
         if bad:
             raise ValueError(f"task.options.ops may only contain '+', '-', '*' (got {''.join(sorted(bad))!r})")
-        space = self.space
         need = self.num_train + self.num_dev + self.num_hidden
+        if self.operand_mix is not None:
+            if len(set(self.operand_mix)) != len(self.operand_mix) or min(self.operand_mix) < 1:
+                raise ValueError(f"task.options.operand_mix must be distinct bounds >= 1 (got {self.operand_mix})")
+            space = self.space_at(max(self.operand_mix))
+            if need > space:
+                raise ValueError(
+                    f"arith can make {space} unique problems with operands up to {max(self.operand_mix)} but "
+                    f"{need} were asked for; raise the largest bound of task.options.operand_mix or lower the "
+                    "split sizes"
+                )
+            return self
+        space = self.space
         if need > space:
             raise ValueError(
                 f"arith can make {space} unique problems with these options but {need} were asked for; "
@@ -55,7 +73,23 @@ class ArithOptions(BaseModel):
     @property
     def space(self) -> int:
         """Number of distinct expressions these options can write."""
-        return (self.max_operand + 1) ** self.num_terms * len(set(self.ops)) ** (self.num_terms - 1)
+        return self.space_at(self.max_operand)
+
+    def space_at(self, bound: int) -> int:
+        """Number of distinct expressions with operands 0..bound."""
+        return (bound + 1) ** self.num_terms * len(set(self.ops)) ** (self.num_terms - 1)
+
+
+def _shares(opts: ArithOptions, need: int) -> list[int]:
+    """Rows per bound of ``operand_mix``, smallest first: even shares, except that a bound whose problems run out
+    gives all it has and the rest is split evenly over the larger bounds."""
+    bounds = sorted(opts.operand_mix)
+    shares: list[int] = []
+    for i, bound in enumerate(bounds):
+        left, parts = need - sum(shares), len(bounds) - i
+        even = left // parts if parts > 1 else left
+        shares.append(min(even, opts.space_at(bound) - sum(shares)) if parts > 1 else left)
+    return shares
 
 
 class ArithTask:
@@ -68,7 +102,10 @@ class ArithTask:
         opts = self.options
         rng = random.Random(opts.seed)
         need = opts.num_train + opts.num_dev + opts.num_hidden
-        exprs = _enumerate(rng, opts, need) if need > opts.space // 4 else _draw_unique(rng, opts, need)
+        if opts.operand_mix is None:
+            exprs = _enumerate(rng, opts, need) if need > opts.space // 4 else _draw_unique(rng, opts, need)
+        else:
+            exprs = _mixed(rng, opts, need)
         pool = [(expr, str(_evaluate(expr))) for expr in exprs]
         cut1, cut2 = opts.num_hidden, opts.num_hidden + opts.num_dev
         splits = {Split.HIDDEN: pool[:cut1], Split.DEV: pool[cut1:cut2], Split.TRAIN: pool[cut2:]}
@@ -82,16 +119,36 @@ class ArithTask:
             )
             for split, rows in splits.items()
         }
-        version = dataset_version("arith", opts.model_dump(), records)
+        options = opts.model_dump()
+        if opts.operand_mix is None:
+            del options["operand_mix"]  # unset: the same version as before the option existed
+        version = dataset_version("arith", options, records)
         return TaskData(
             name="arith", version=version,
             train=records[Split.TRAIN], dev=records[Split.DEV], hidden=records[Split.HIDDEN],
         )
 
 
-def _draw_unique(rng: random.Random, opts: ArithOptions, need: int) -> list[str]:
-    """``need`` distinct expressions by rejection sampling (the space is at least 4x larger)."""
+def _mixed(rng: random.Random, opts: ArithOptions, need: int) -> list[str]:
+    """``need`` distinct expressions, an even share per bound of ``operand_mix``, shuffled together."""
     seen: set[str] = set()
+    out: list[str] = []
+    for bound, share in zip(sorted(opts.operand_mix), _shares(opts, need)):
+        level = opts.model_copy(update={"max_operand": bound, "operand_mix": None})
+        if share + len(seen) > level.space // 4:
+            fresh = [e for e in _enumerate(rng, level, level.space) if e not in seen]
+        else:
+            fresh = _draw_unique(rng, level, share, seen)
+        fresh = fresh[:share]
+        seen.update(fresh)
+        out.extend(fresh)
+    rng.shuffle(out)
+    return out
+
+
+def _draw_unique(rng: random.Random, opts: ArithOptions, need: int, taken: set[str] | None = None) -> list[str]:
+    """``need`` distinct expressions by rejection sampling (the space is at least 4x larger), none in ``taken``."""
+    seen: set[str] = set(taken or ())
     out: list[str] = []
     while len(out) < need:
         expr = _draw(rng, opts)

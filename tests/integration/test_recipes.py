@@ -61,15 +61,18 @@ def test_quickstart_recipes_share_its_warm_start():
     """Each quickstart-<algo>.yaml starts RL from the quickstart's cached warm start (same model section, so the
     same cache key): the algorithm table compares estimators from one policy, and no recipe rebuilds the SFT stage."""
     base = load_config(REPO / "configs" / "quickstart.yaml").model
-    recipes = [p for p in sorted((REPO / "configs").glob("quickstart-*.yaml")) if "sloppy" not in p.name]
+    recipes = [p for p in sorted((REPO / "configs").glob("quickstart-*.yaml")) if "sloppy" not in p.name
+               and "mixed" not in p.name]  # quickstart-ppo-mixed: another task, its own warm start (own test)
     assert recipes
     for path in recipes:
         assert load_config(path).model == base, path.name
 
 
 # the estimator recipes; quickstart-vllm.yaml (the same GRPO run on vLLM) is checked live in tests/integration/test_vllm.py
-QUICKSTART_RECIPES = sorted(p for p in (REPO / "configs").glob("quickstart-*.yaml")
-                            if "sloppy" not in p.name and p.name != "quickstart-vllm.yaml")
+QUICKSTART_RECIPES = sorted(p for p in (REPO / "configs").glob("quickstart-*.yaml") if "sloppy" not in p.name
+                            and p.name != "quickstart-vllm.yaml"
+                            and "credit" not in p.name  # quickstart-ppo-credit: another reward (own test)
+                            and "mixed" not in p.name)  # quickstart-ppo-mixed: another task (own test)
 
 
 def test_quickstart_recipes_are_the_quickstart_with_one_estimator():
@@ -101,3 +104,23 @@ def test_quickstart_recipe_dry_runs(path: Path, plugins, tmp_path):
     assert all(c.ok for c in report.checks), report.checks
     assert report.smoke is not None and report.smoke.steps == 2
     assert report.workload.critic == (path.name == "quickstart-ppo.yaml")  # the critic is in the memory ledger
+
+
+def test_credit_recipe_is_quickstart_ppo_on_partial_credit():
+    """configs/quickstart-ppo-credit.yaml is quickstart-ppo.yaml with the digit_credit reward in place of math, so
+    its critic's explained variance and hidden gain compare with quickstart-ppo's from the same warm start."""
+    credit = load_config(REPO / "configs" / "quickstart-ppo-credit.yaml")
+    ppo = load_config(REPO / "configs" / "quickstart-ppo.yaml")
+    assert [c.name for c in credit.reward.components] == ["digit_credit", "format"]
+    same = ("model", "task", "rollout", "algo", "train", "eval", "checkpoint")
+    assert {s: getattr(credit, s) for s in same} == {s: getattr(ppo, s) for s in same}
+
+
+def test_mixed_recipe_is_quickstart_ppo_on_mixed_difficulty():
+    """configs/quickstart-ppo-mixed.yaml is quickstart-ppo.yaml on arith with operand_mix (easy and hard prompts
+    together): the same model, reward, estimator and critic block, only the task (and so the warm start) differs."""
+    mixed = load_config(REPO / "configs" / "quickstart-ppo-mixed.yaml")
+    ppo = load_config(REPO / "configs" / "quickstart-ppo.yaml")
+    assert mixed.task.source == "arith" and mixed.task.options["operand_mix"] == [29, 999]
+    same = ("model", "rollout", "reward", "algo", "train", "eval", "checkpoint")
+    assert {s: getattr(mixed, s) for s in same} == {s: getattr(ppo, s) for s in same}

@@ -15,7 +15,7 @@ GOLDEN = REPO / "tests" / "fixtures" / "golden_rewards.jsonl"
 
 
 def test_golden_file_replays_clean_without_the_sandbox(capsys):
-    assert main(["reward", "check", str(GOLDEN), "--components", "math,format,length"]) == 0
+    assert main(["reward", "check", str(GOLDEN), "--components", "math,digit_credit,format,length"]) == 0
     assert "rows match" in capsys.readouterr().out
 
 

@@ -200,6 +200,43 @@ def test_arith_quickstart_uses_every_problem_once() -> None:
     assert data == ArithTask(opts).load()
 
 
+def _bound(text: str) -> int:
+    return max(int(v) for v in text.rstrip("=").replace("-", "+").split("+"))
+
+
+def test_arith_operand_mix_gives_each_bound_its_share_in_every_split() -> None:
+    # [5, 30, 300]: all 72 problems up to 5, the rest split evenly over 6..30 and 31..300, shuffled into the splits
+    opts = ArithOptions(num_terms=2, ops="+-", operand_mix=[300, 5, 30], num_train=700, num_dev=100, num_hidden=200)
+    data = ArithTask(opts).load()
+    texts = [r.text for r in data.train + data.dev + data.hidden]
+    assert len(texts) == len(set(texts)) == 1000
+    levels = [0 if b <= 5 else 1 if b <= 30 else 2 for b in map(_bound, texts)]
+    # 464 drawn from 0..30 and 464 from 0..300 (a few of which land at 30 or below by chance)
+    assert levels.count(0) == 72 and 464 <= levels.count(1) <= 474, [levels.count(i) for i in range(3)]
+    assert max(map(_bound, texts)) <= 300
+    for split in (data.train, data.dev, data.hidden):  # every split mixes easy and hard
+        assert {0 if _bound(r.text) <= 5 else 1 if _bound(r.text) <= 30 else 2 for r in split} == {0, 1, 2}
+    assert all(r.answer == str(_evaluate(r.text[:-1])) for r in data.hidden)
+    assert data == ArithTask(opts).load() and data.version != ArithTask(
+        opts.model_copy(update={"operand_mix": [5, 30, 301]})).load().version
+
+
+def test_arith_operand_mix_unset_keeps_the_dataset_and_its_version() -> None:
+    # the quickstart's data and warm-start cache key do not move because the option exists
+    assert ArithTask(ArithOptions(**SMALL)).load().version == ArithTask(
+        ArithOptions(**SMALL, operand_mix=None)).load().version
+    assert ArithTask().load().version == "3bd792dc7f118ea5"  # measured before operand_mix existed
+
+
+def test_arith_operand_mix_refuses_too_small_a_space_and_bad_bounds() -> None:
+    with pytest.raises(ValidationError, match="raise the largest bound of task.options.operand_mix"):
+        ArithOptions(num_terms=2, ops="+", operand_mix=[2, 3], num_train=13, num_dev=2, num_hidden=2)
+    ArithOptions(num_terms=2, ops="+", operand_mix=[2, 3], num_train=12, num_dev=2, num_hidden=2)
+    for bad in ([5, 5], [0, 9], [9]):
+        with pytest.raises(ValidationError, match="operand_mix"):
+            ArithOptions(operand_mix=bad, num_train=10, num_dev=2, num_hidden=2)
+
+
 @pytest.mark.parametrize(
     "options", [{"num_terms": 1}, {"num_terms": 5}, {"max_operand": 0}, {"ops": ""}, {"num_train": 0},
                 {"num_dev": 0}, {"num_hidden": 0}, {"numterms": 2}],
