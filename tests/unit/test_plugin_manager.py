@@ -28,7 +28,7 @@ BUILTINS = {
     "rollout_backend": ["local", "sglang", "vllm"],
     "learner_backend": ["deepspeed", "fsdp2", "torch"],
     "critic_backend": ["torch"],
-    "reward_function": ["code", "format", "length", "math", "reward_model"],
+    "reward_function": ["code", "digit_credit", "format", "length", "math", "reward_model"],
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
     "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner", "slow-rollout",
@@ -36,7 +36,7 @@ BUILTINS = {
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "hf_disk", "humaneval", "jsonl", "parquet")},
-    "rewards": {"reward function": ("code", "format", "length", "math", "reward_model")},
+    "rewards": {"reward function": ("code", "digit_credit", "format", "length", "math", "reward_model")},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "vllm": {"rollout backend": ("vllm",)},
@@ -144,7 +144,7 @@ def test_builtins_build(tmp_path: Path) -> None:
     ("kind", "typo", "suggestion", "installed"),
     [
         ("rollout_backend", "loacl", "local", "local, sglang, vllm"),
-        ("reward_function", "maht", "math", "code, format, length, math, reward_model"),
+        ("reward_function", "maht", "math", "code, digit_credit, format, length, math, reward_model"),
         ("task_source", "jsnol", "jsonl", "arith, hf_disk, humaneval, jsonl, parquet"),
         ("learner_backend", "torhc", "torch", "deepspeed, fsdp2, torch"),
     ],
@@ -318,7 +318,7 @@ def test_pinning_loads_the_listed_third_party(third_party, monkeypatch) -> None:
                 FakeEntryPoint("unwanted", reward_plugin(other=(GoodReward, None))))
     monkeypatch.setenv("RLCTL_LOAD_PLUGINS", "tasks, extra_rewards")
     plugins = load_plugins()
-    assert plugins.names("reward_function") == ["code", "format", "good", "length", "math", "reward_model"]
+    assert plugins.names("reward_function") == ["code", "digit_credit", "format", "good", "length", "math", "reward_model"]
     assert plugins.names("task_source") == ["arith", "hf_disk", "humaneval", "jsonl", "parquet"]
 
 
