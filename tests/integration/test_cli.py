@@ -124,5 +124,5 @@ def test_plugins_lists_builtins_as_json(home):
     data = json.loads(rlctl("plugins", "--json", home=home, check=True).stdout)
     names = {p["name"]: p for p in data["plugins"]}
     assert {"tasks", "rewards", "local_engine", "torch_learner", "sinks"} <= set(names)
-    assert names["rewards"]["registers"]["reward function"] == ["code", "format", "length", "math", "reward_model"]
+    assert names["rewards"]["registers"]["reward function"] == ["code", "digit_credit", "format", "length", "math", "reward_model"]
     assert names["local_engine"]["version"] and names["local_engine"]["builtin"] is True
