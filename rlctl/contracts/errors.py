@@ -64,6 +64,15 @@ class RolloutUnavailable(RoleError):
     """
 
 
+class ToolError(RoleError):
+    """A tool an environment called failed: a bad call, a crash, or an answer that is not one.
+
+    The environment records it on the episode's turn (``tool_status``) and the
+    episode is flagged, retried per the verifier policy or its group dropped;
+    it is never scored as a zero reward.
+    """
+
+
 class RunbookError(RlctlError):
     """A runbook is malformed or its check failed."""
 
@@ -92,4 +101,5 @@ __all__ = [
     "RoleError",
     "RolloutUnavailable",
     "RunbookError",
+    "ToolError",
 ]  # WorkerLost and LearnerLost are signals between the placement and the loops, never shown to users

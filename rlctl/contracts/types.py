@@ -110,6 +110,66 @@ class RolloutRequest:
     dataset_version: str
 
 
+class Writer(str, enum.Enum):
+    """Who wrote a span of an episode's tokens."""
+
+    POLICY = "policy"  # sampled by the policy: trained on, has behaviour log-probs
+    ENV = "env"  # appended by the environment (a tool's answer): never trained on
+
+
+@dataclass(**_FROZEN)
+class Turn:
+    """One contiguous span ``[start, end)`` of an episode's ``response_tokens``, written by one side.
+
+    A policy turn records the weight version that sampled it (an episode that
+    straddles a weight update has several); an environment turn records the
+    tool it ran, how that went (``tool_status``: "ok", "timeout", "error",
+    "garbage"; None when no tool ran) and its wall time. ``reward`` is a
+    per-turn reward part the environment gave for that turn (None: none).
+
+    >>> Turn(start=0, end=5, writer=Writer.POLICY, policy_version=3)
+    Turn(start=0, end=5, writer=<Writer.POLICY: 'policy'>, policy_version=3, reward=None, tool=None, tool_status=None, tool_seconds=0.0)
+    """
+
+    start: int
+    end: int
+    writer: Writer
+    policy_version: int | None = None  # policy turns: the version that sampled it; env turns: None
+    reward: float | None = None
+    tool: str | None = None
+    tool_status: str | None = None
+    tool_seconds: float = 0.0
+
+
+@dataclass(**_FROZEN)
+class EpisodeLimits:
+    """Bounds on one multi-turn episode; whichever comes first ends it (``TerminalReason.LENGTH``)."""
+
+    max_turns: int = 4  # policy turns
+    max_total_tokens: int = 256  # every token after the prompt, policy's and environment's
+    step_timeout_s: float = 5.0  # one environment step (a tool call included)
+
+
+@dataclass(**_FROZEN)
+class EnvStep:
+    """What an environment returns for one policy turn.
+
+    ``observation`` are token ids appended after the policy's turn (may be
+    empty); ``done`` ends the episode; ``reward_parts`` are per-turn reward
+    components; ``tool``/``tool_status``/``tool_seconds`` describe the tool
+    call this turn made, if any (``tool_status``: "ok", "timeout", "error",
+    "garbage"); ``info`` is free-form (JSON-like values).
+    """
+
+    observation: tuple[int, ...] = ()
+    done: bool = False
+    reward_parts: Mapping[str, float] = field(default_factory=dict)
+    tool: str | None = None
+    tool_status: str | None = None
+    tool_seconds: float = 0.0
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass(**_FROZEN)
 class Trajectory:
     """One sampled response with everything needed to train on it and audit it.
@@ -118,7 +178,15 @@ class Trajectory:
     config and its terminal reason. Token-level lists are aligned with
     ``response_tokens``: ``action_mask[i]`` is 1 where token i is trained on,
     ``behavior_logprobs[i]`` is log mu(token i) under ``sampling_config``.
-    ``reward`` and ``reward_components`` are empty until scored. ``checksum`` is
+    ``reward`` and ``reward_components`` are empty until scored.
+
+    A multi-turn episode is one Trajectory too: ``response_tokens`` holds every
+    token after the prompt, the policy's and the environment's interleaved, as
+    the engine saw them (never re-tokenized from text); ``turns`` splits them
+    into spans by writer; ``action_mask`` is 0 and ``behavior_logprobs`` 0.0 on
+    environment tokens. ``policy_version`` is the oldest policy turn's version
+    (the staleness bound applies to it). ``turns == ()`` is a single-turn
+    sample: one policy span at ``policy_version``. ``checksum`` is
     a sha256 of every other field; build with ``Trajectory.create`` and update
     with ``Trajectory.updated`` so it stays right.
 
@@ -150,6 +218,7 @@ class Trajectory:
     reward_error: str | None = None
     grader_version: str | None = None
     scored_at: float | None = None
+    turns: tuple[Turn, ...] = ()
     checksum: str = ""
 
     @classmethod
@@ -180,6 +249,9 @@ class Trajectory:
             self.grader_version, self.scored_at, len(self.prompt_tokens), len(self.response_tokens),
             len(self.action_mask), len(self.behavior_logprobs),
         )
+        if self.turns:  # only episodes hash their turns: single-turn digests stay what they were
+            header += (tuple((t.start, t.end, t.writer.value, t.policy_version, t.reward, t.tool, t.tool_status,
+                              t.tool_seconds) for t in self.turns),)
         h = hashlib.sha256(repr(header).encode())
         for ints in (self.prompt_tokens, self.response_tokens, self.action_mask):
             h.update(array("q", ints))
@@ -192,6 +264,19 @@ class Trajectory:
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_tokens)
+
+    @property
+    def is_episode(self) -> bool:
+        """True for a multi-turn episode (an environment wrote some of ``response_tokens``)."""
+        return bool(self.turns)
+
+    @property
+    def policy_versions(self) -> tuple[int, ...]:
+        """The versions of the policy turns, oldest first (one for a single-turn sample)."""
+        if not self.turns:
+            return (self.policy_version,)
+        return tuple(sorted({t.policy_version for t in self.turns
+                             if t.writer is Writer.POLICY and t.policy_version is not None}))
 
 
 @dataclass(**_FROZEN)

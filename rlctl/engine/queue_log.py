@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from rlctl.contracts.errors import RlctlError
-from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory, Turn, Writer
 from rlctl.storage.durable import fsync_path
 
 MAGIC = b"RLQ1"
@@ -58,6 +58,7 @@ def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
     body = asdict(t)
     body["terminal_reason"] = t.terminal_reason.value
     body["reward_components"] = dict(t.reward_components)
+    body["turns"] = [{**asdict(turn), "writer": turn.writer.value} for turn in t.turns]
     return body
 
 
@@ -68,6 +69,7 @@ def trajectory_from_dict(body: Mapping[str, Any]) -> Trajectory:
     values["terminal_reason"] = TerminalReason(values["terminal_reason"])
     for key in ("prompt_tokens", "response_tokens", "action_mask", "behavior_logprobs"):
         values[key] = tuple(values[key])
+    values["turns"] = tuple(Turn(**{**turn, "writer": Writer(turn["writer"])}) for turn in values.get("turns", ()))
     t = Trajectory(**values)
     if not t.verify():
         raise ValueError(f"trajectory {t.id!r} does not match its checksum")

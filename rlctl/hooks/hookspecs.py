@@ -79,6 +79,28 @@ def register_advantage_estimators(register: Register) -> None:
 
 
 @hookspec
+def register_environments(register: Register) -> None:
+    """Register environments for multi-turn episodes: ``register(name, factory, options=Model|None)``.
+
+    ``factory(ctx: EnvironmentContext)`` returns an Environment
+    (rlctl.contracts.roles): ``start(row)`` begins one episode and its
+    ``step(policy_tokens)`` answers each policy turn with observation tokens,
+    ``done``, reward parts and info. The environment a run's config names drives
+    every episode of that run; none configured means single-turn samples.
+    """
+
+
+@hookspec
+def register_tools(register: Register) -> None:
+    """Register tools an environment may call: ``register(name, factory, options=Model|None)``.
+
+    ``factory(options)`` returns a Tool: ``call(arguments, timeout_s) -> text``
+    that raises ``ToolError`` (or ``TimeoutError``) when it fails; a failure is
+    flagged on the episode, never turned into an answer or a zero reward.
+    """
+
+
+@hookspec
 def register_metric_sinks(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, options=Model|None)``.
 

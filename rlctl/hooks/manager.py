@@ -42,6 +42,8 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "advantage_estimator": ("register_advantage_estimators", "advantage_estimator", "advantage estimator"),
     "fault": ("register_faults", "fault", "fault"),
     "weight_transport": ("register_weight_transports", "weight_transport", "weight transport"),
+    "environment": ("register_environments", "environment", "environment"),
+    "tool": ("register_tools", "tool", "tool"),
 }
 
 
