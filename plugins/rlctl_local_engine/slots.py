@@ -13,11 +13,12 @@ Schedule-independent samples: a row's draws come from its own stream, a counter-
 (``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. Prefill
 batches depend on the call only. A row's decode logits do not depend on which other rows share its forward
 where the matmul kernels are batch-invariant: the decoder multiplies by pre-transposed weights with at
-least 2 rows and attends over the whole cache width, which on CPU/MKL gave bit-equal rows for every batch
-size at the tiny shapes (tests/unit/test_slot_engine.py checks that different slot counts give identical
-tokens and log-probs). Where a kernel is not batch-invariant (hidden 896 was not, for x @ W on this
-MKL build; GPUs untested) logits differ by fp32 rounding, so a draw changes only if it lands within
-rounding of a CDF boundary. The same requests, slot count and keys always give the same schedule, so a
+least 2 rows and attends over the whole cache width, which on an Intel CPU/MKL host gave bit-equal rows for
+every batch size at the tiny shapes. That is the machine's kernels, not a guarantee: on an AMD EPYC host the
+same test model's log-probs moved by up to 5.3e-5 between slot counts (tokens still equal), and hidden 896 was
+not batch-invariant for x @ W even on the Intel host (GPUs untested). tests/unit/test_slot_engine.py checks
+identical tokens and log-probs within the 1e-4 mismatch bound. Where kernels are not batch-invariant a draw
+changes only if its uniform lands that close to a CDF boundary. The same requests, slot count and keys always give the same schedule, so a
 resumed run is bitwise equal to a straight one whatever the kernels.
 
 What this is not: paged attention (the per-slot cache is sized for the call's longest prompt + max tokens)

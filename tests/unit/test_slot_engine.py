@@ -40,7 +40,8 @@ def _samples(trajectories):
 
 
 def test_samples_do_not_depend_on_the_slot_count(tiny_session):
-    """Same seed, same requests: 2, 3, 7 and 64 slots draw bit-identical tokens and log-probs."""
+    """Same seed, same requests: 2, 3, 7 and 64 slots draw identical tokens, and log-probs within the mismatch
+    bound (bit-identical where the machine's matmul kernels are batch-invariant)."""
     requests = _requests(tiny_session)
     runs = {slots: _samples(_engine(tiny_session, scheduler="slots", max_batch_sequences=slots).generate(requests))
             for slots in (2, 3, 7, 64)}
@@ -48,7 +49,7 @@ def test_samples_do_not_depend_on_the_slot_count(tiny_session):
     lengths = [len(s[2]) for s in reference]
     assert len(set(lengths)) > 1 and sum(lengths) > 2 * len(lengths)  # rows end at different steps: slots refill
     for slots, samples in runs.items():
-        assert samples == reference, f"{slots} slots drew different samples"
+        _assert_same_draws(samples, reference)
 
 
 def test_the_g_samples_of_a_prompt_differ(tiny_session):
@@ -65,9 +66,9 @@ def test_greedy_slots_equal_the_batch_scheduler(tiny_session):
     a = _engine(tiny_session, scheduler="slots", max_batch_sequences=3).generate(requests)
     b = _engine(tiny_session).generate(requests)
     assert [(t.response_tokens, t.terminal_reason) for t in a] == [(t.response_tokens, t.terminal_reason) for t in b]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b):  # other attention kernels (whole-capacity masked vs trimmed): the mismatch bound
         torch.testing.assert_close(torch.tensor(x.behavior_logprobs), torch.tensor(y.behavior_logprobs),
-                                   rtol=0, atol=1e-5)
+                                   rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 8, "top_p": 0.9},
@@ -122,7 +123,18 @@ def test_cancel_acts_per_row_live_and_queued(tiny_session):
     for t, (_, _, tokens, logprobs, _) in zip(hit, plain[4:8]):
         assert t.response_tokens == tokens[: len(t.response_tokens)]
         assert t.behavior_logprobs == logprobs[: len(t.behavior_logprobs)]
-    assert _samples(out[:4]) + _samples(out[8:]) == plain[:4] + plain[8:]
+    _assert_same_draws(_samples(out[:4]) + _samples(out[8:]), plain[:4] + plain[8:])
+
+
+def _assert_same_draws(got, expected):
+    """Same tokens and reasons; log-probs within the engine/learner mismatch bound (1e-4). How many rows share a
+    forward changes with the slot count (or a cancelled request), and whether the matmul kernels give bit-equal
+    rows across batch sizes depends on the machine: bit-equal on the Intel host the engine was built on, up to
+    5.3e-5 apart on an AMD EPYC one (slots.py's docstring)."""
+    assert [(p, g, tokens, reason) for p, g, tokens, _, reason in got] == \
+        [(p, g, tokens, reason) for p, g, tokens, _, reason in expected]
+    worst = max((abs(a - b) for x, y in zip(got, expected) for a, b in zip(x[3], y[3])), default=0.0)
+    assert worst <= 1e-4, f"log-probs differ by {worst:.2e}"
 
 
 def test_length_tail_keeps_responses(tiny_session):
