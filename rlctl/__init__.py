@@ -15,6 +15,7 @@ from rlctl.contracts.errors import (
     RoleError,
     RolloutUnavailable,
     RunbookError,
+    ToolError,
 )
 from rlctl.contracts.types import (
     CriticContext,
@@ -63,5 +64,6 @@ __all__ = [
     "RoleError",
     "RolloutUnavailable",
     "RunbookError",
+    "ToolError",
     "__version__",
 ]

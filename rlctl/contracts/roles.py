@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
 
+from rlctl.contracts.episodes import Environment, EpisodeState, Tool  # noqa: F401 (the episode roles)
 from rlctl.contracts.types import (
-    EnvStep,
-    EpisodeLimits,
     LearnerMemory,
     RewardResult,
     RolloutMemory,
@@ -72,51 +71,6 @@ class RolloutBackend(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class EpisodeState(Protocol):
-    """One running episode of an environment (per-episode state lives here, not in the Environment).
-
-    ``step`` gets the tokens the policy wrote in its last turn, exactly as the
-    engine sampled them, and returns what the environment appends (token ids,
-    never the policy's text re-tokenized). It must return within the
-    environment's ``step_timeout_s``; a tool that fails is reported in
-    ``EnvStep.tool_status``, not hidden.
-    """
-
-    def step(self, policy_tokens: Sequence[int]) -> "EnvStep": ...
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """Drives multi-turn episodes: the policy writes, the environment answers, until done or a limit.
-
-    ``stop`` are the strings that end a policy turn (a tool call's closing
-    marker) on top of the sampling config's own; ``limits`` bound every
-    episode (turns, total tokens, per-step timeout).
-    """
-
-    name: str
-    version: str
-    stop: tuple[str, ...]
-    limits: "EpisodeLimits"
-
-    def start(self, prompt_id: str, prompt_tokens: Sequence[int], row: Any = None) -> EpisodeState:
-        """Begin one episode of a task row (``row``: its PromptRecord when the caller has it)."""
-        ...
-
-
-@runtime_checkable
-class Tool(Protocol):
-    """One callable tool (``calculator``, ``python``): text arguments in, text result out."""
-
-    name: str
-    version: str
-
-    def call(self, arguments: str, timeout_s: float) -> str:
-        """The tool's answer; raise ToolError (bad call, crash, garbage) or TimeoutError. Never return a fake answer."""
-        ...
 
 
 @runtime_checkable

@@ -5,7 +5,10 @@ manifests and runs. Every role (rollout, reward, learner, registry) speaks in
 these types, never in loose dicts.
 
 What this is not: validation of user input (that is rlctl.config) or behaviour
-(roles live in plugins/). This module imports nothing from rlctl.
+(roles live in plugins/). This module imports nothing from rlctl outside
+rlctl.contracts; the episode types (Turn, EnvStep, ...) live in
+rlctl.contracts.episodes and the weight-version types (WeightManifest, ...)
+in rlctl.contracts.weights, both importable from here too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
+
+from rlctl.contracts.episodes import EnvStep, EpisodeLimits, Turn, Writer  # noqa: F401 (importable from here)
+from rlctl.contracts.weights import TensorInfo, WeightManifest, WeightShard, WeightUpdate  # noqa: F401
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -108,66 +114,6 @@ class RolloutRequest:
     group_size: int
     sampling: SamplingConfig
     dataset_version: str
-
-
-class Writer(str, enum.Enum):
-    """Who wrote a span of an episode's tokens."""
-
-    POLICY = "policy"  # sampled by the policy: trained on, has behaviour log-probs
-    ENV = "env"  # appended by the environment (a tool's answer): never trained on
-
-
-@dataclass(**_FROZEN)
-class Turn:
-    """One contiguous span ``[start, end)`` of an episode's ``response_tokens``, written by one side.
-
-    A policy turn records the weight version that sampled it (an episode that
-    straddles a weight update has several); an environment turn records the
-    tool it ran, how that went (``tool_status``: "ok", "timeout", "error",
-    "garbage"; None when no tool ran) and its wall time. ``reward`` is a
-    per-turn reward part the environment gave for that turn (None: none).
-
-    >>> Turn(start=0, end=5, writer=Writer.POLICY, policy_version=3)
-    Turn(start=0, end=5, writer=<Writer.POLICY: 'policy'>, policy_version=3, reward=None, tool=None, tool_status=None, tool_seconds=0.0)
-    """
-
-    start: int
-    end: int
-    writer: Writer
-    policy_version: int | None = None  # policy turns: the version that sampled it; env turns: None
-    reward: float | None = None
-    tool: str | None = None
-    tool_status: str | None = None
-    tool_seconds: float = 0.0
-
-
-@dataclass(**_FROZEN)
-class EpisodeLimits:
-    """Bounds on one multi-turn episode; whichever comes first ends it (``TerminalReason.LENGTH``)."""
-
-    max_turns: int = 4  # policy turns
-    max_total_tokens: int = 256  # every token after the prompt, policy's and environment's
-    step_timeout_s: float = 5.0  # one environment step (a tool call included)
-
-
-@dataclass(**_FROZEN)
-class EnvStep:
-    """What an environment returns for one policy turn.
-
-    ``observation`` are token ids appended after the policy's turn (may be
-    empty); ``done`` ends the episode; ``reward_parts`` are per-turn reward
-    components; ``tool``/``tool_status``/``tool_seconds`` describe the tool
-    call this turn made, if any (``tool_status``: "ok", "timeout", "error",
-    "garbage"); ``info`` is free-form (JSON-like values).
-    """
-
-    observation: tuple[int, ...] = ()
-    done: bool = False
-    reward_parts: Mapping[str, float] = field(default_factory=dict)
-    tool: str | None = None
-    tool_status: str | None = None
-    tool_seconds: float = 0.0
-    info: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(**_FROZEN)
@@ -301,85 +247,6 @@ class RewardResult:
     @property
     def ok(self) -> bool:
         return self.error_code is None
-
-
-@dataclass(**_FROZEN)
-class TensorInfo:
-    """One logical tensor of a published weight version.
-
-    ``shape`` and ``dtype`` are what the receiver holds after decoding.
-    ``encoding`` is how values travel: "raw" (as is), "bf16", or "fp8_e4m3"
-    (per-row scale, stored next to it as ``<name>::scale``). ``layout`` is
-    "dense" (every element sent), or "gaps", "sparse" or "masked" (only the
-    ``num_changed`` elements that changed since the manifest's
-    ``base_version``: ``<name>::val`` plus their positions as 16-bit gaps
-    ``<name>::gap``, int32 indices ``<name>::idx`` or a bitmask ``<name>::mask``).
-
-    >>> TensorInfo(name="lm_head.weight", shape=(99, 32), dtype="float32")
-    TensorInfo(name='lm_head.weight', shape=(99, 32), dtype='float32', encoding='raw', layout='dense', num_changed=0)
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    encoding: str = "raw"
-    layout: str = "dense"
-    num_changed: int = 0
-
-
-@dataclass(**_FROZEN)
-class WeightShard:
-    """One unit of transfer: a safetensors blob (a file on disk, a bucket on a collective)."""
-
-    path: str  # relative to the manifest's directory (disk) or a bucket name (collective)
-    sha256: str  # of the blob's bytes; "" only for the in-process transport (nothing is copied)
-    num_bytes: int
-    tensors: tuple[TensorInfo, ...]
-
-
-@dataclass(**_FROZEN)
-class WeightManifest:
-    """A published weight version: shards plus checksums, visible only once committed.
-
-    ``fingerprint`` is a hash over every decoded tensor's bytes in name order
-    (rlctl.models.fingerprint), so a receiver can prove it serves exactly these
-    weights. A delta manifest (``base_version`` set) carries only what changed
-    since that version: tensors in ``carried`` are taken unchanged from the
-    receiver's copy of the base, whose fingerprint must equal ``base_fingerprint``.
-
-    >>> m = WeightManifest(version=3, fingerprint="ab", shards=(), created_at=0.0)
-    >>> (m.is_delta, m.num_bytes)
-    (False, 0)
-    """
-
-    version: int
-    fingerprint: str
-    shards: tuple[WeightShard, ...]
-    created_at: float
-    base_version: int | None = None
-    base_fingerprint: str = ""
-    carried: tuple[TensorInfo, ...] = ()
-
-    @property
-    def is_delta(self) -> bool:
-        return self.base_version is not None
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(s.num_bytes for s in self.shards)
-
-    def tensors(self) -> tuple[TensorInfo, ...]:
-        """Every logical tensor of the version: the sent ones, then the carried ones."""
-        return tuple(t for s in self.shards for t in s.tensors) + self.carried
-
-
-@dataclass(**_FROZEN)
-class WeightUpdate:
-    """New policy weights handed to a rollout backend in-process (colocated path)."""
-
-    version: int
-    state_dict: Mapping[str, Any]  # name -> torch.Tensor
-    fingerprint: str
 
 
 @dataclass(**_FROZEN)

@@ -69,10 +69,15 @@ def make(session, plugins, name: str = "grpo", tokens: int | None = None, size: 
     return lrn
 
 
-def close(a: torch.Tensor, b: torch.Tensor, what: str, floor: float | None = None) -> None:
-    """|a - b| <= 1e-6 |b| elementwise, with a floor of 1e-6 of b's largest magnitude for values near 0."""
-    floor = RTOL * float(b.abs().max()) + 1e-12 if floor is None else floor
-    torch.testing.assert_close(a.double(), b.double(), rtol=RTOL, atol=floor, msg=what)
+def close(a: torch.Tensor, b: torch.Tensor, what: str, floor: float | None = None, scale: float = 1.0) -> None:
+    """|a - b| <= 1e-6 |b| elementwise, with a floor of 1e-6 of b's largest magnitude for values near 0.
+
+    ``scale`` widens both for the shared-prompt layout: HF's Llama computes RMSNorm and the attention softmax in
+    float32 even in a float64 model, and forwarding a prompt once for its G responses changes the shapes those
+    fp32 ops see; on an AMD EPYC host that moved a layernorm weight's gradient by 1.2e-6 of its largest
+    element (bit-equal on an Intel host)."""
+    floor = RTOL * scale * float(b.abs().max()) + 1e-12 if floor is None else floor
+    torch.testing.assert_close(a.double(), b.double(), rtol=RTOL * scale, atol=floor, msg=what)
 
 
 def step(lrn, batch):
@@ -81,14 +86,14 @@ def step(lrn, batch):
     return stats, before, grads
 
 
-def compare(packed, padded, batch, metrics: tuple[str, ...]) -> None:
+def compare(packed, padded, batch, metrics: tuple[str, ...], scale: float = 1.0) -> None:
     s1, b1, g1 = step(packed, batch)
     s2, b2, g2 = step(padded, batch)
     on = batch.action_mask > 0
     close(b1[on], b2[on], "pre-step log-probs")
     assert g1.keys() == g2.keys() and g1
     for name in g1:
-        close(g1[name], g2[name], name)
+        close(g1[name], g2[name], name, scale=scale)
     for key in metrics:
         if key in s2:
             close(torch.tensor(s1[key]), torch.tensor(s2[key]), key, floor=RTOL)
@@ -99,7 +104,7 @@ def compare(packed, padded, batch, metrics: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_one_packed_micro_batch_equals_the_padded_one(session, plugins, batch, name, kl, share):
     packed = make(session, plugins, name, tokens=10_000, kl=kl, share=share)
-    compare(packed, make(session, plugins, name, kl=kl), batch, METRICS)
+    compare(packed, make(session, plugins, name, kl=kl), batch, METRICS, scale=10.0 if share else 1.0)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "packed-shared-prompts"])
@@ -107,7 +112,7 @@ def test_one_packed_micro_batch_equals_the_padded_one(session, plugins, batch, n
 def test_several_packed_micro_batches_give_the_same_gradients_and_log_probs(session, plugins, batch, name, share):
     packed = make(session, plugins, name, tokens=45, kl="loss", share=share)
     assert len(list(packed._micro_batches(batch))) > 3
-    compare(packed, make(session, plugins, name, size=5, kl="loss"), batch, ("grad_norm",))
+    compare(packed, make(session, plugins, name, size=5, kl="loss"), batch, ("grad_norm",), scale=10.0 if share else 1.0)
 
 
 def test_shared_prompts_are_forwarded_once_in_the_packed_row(session, plugins, batch):

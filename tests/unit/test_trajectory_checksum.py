@@ -6,7 +6,9 @@ from dataclasses import fields, replace
 
 from hypothesis import given, settings, strategies as st
 
-from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory
+from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory, Turn, Writer
+
+EARLIER_DIGEST = "862ca83d76b4dadfcd1c243d93b76d67cbb827773cab23da59843f193848e2d5"  # BASE, before episodes
 
 BASE = dict(id="p1/0", prompt_id="p1", group_index=0, dataset_version="d", policy_version=0, tokenizer_hash="t",
             prompt_tokens=(1, 2), response_tokens=(3, 4), response_text="12", action_mask=(1, 1),
@@ -16,7 +18,9 @@ CHANGED = dict(id="p1/1", prompt_id="p2", group_index=1, dataset_version="e", po
                prompt_tokens=(1, 2, 0), response_tokens=(3, 5), response_text="13", action_mask=(1, 0),
                behavior_logprobs=(-0.5, -0.25000000000000006), sampling_config=SamplingConfig(max_tokens=5),
                terminal_reason=TerminalReason.LENGTH, rollout_started_at=1.5, reward=1.0,
-               reward_components={"math": 1.0}, reward_error="timeout", grader_version="math@1", scored_at=2.0)
+               reward_components={"math": 1.0}, reward_error="timeout", grader_version="math@1", scored_at=2.0,
+               turns=(Turn(start=0, end=1, writer=Writer.POLICY, policy_version=0),
+                      Turn(start=1, end=2, writer=Writer.ENV, tool="calc", tool_status="ok", tool_seconds=0.5)))
 
 
 def test_every_field_is_covered():
@@ -27,6 +31,22 @@ def test_every_field_is_covered():
         tampered = replace(t, **{name: value})  # bypasses updated(): the old checksum stays
         assert not tampered.verify(), name
         assert t.updated(**{name: value}).verify(), name
+
+
+def test_every_turn_field_is_covered():
+    """An episode's digest changes with any field of any of its turns."""
+    t = Trajectory.create(**{**BASE, **{k: CHANGED[k] for k in ("response_tokens", "action_mask",
+                                                              "behavior_logprobs", "turns")}})
+    policy, env = t.turns
+    for name, value in dict(start=1, end=2, writer=Writer.ENV, policy_version=1, reward=0.5, tool="python",
+                            tool_status="timeout", tool_seconds=0.25).items():
+        tampered = replace(t, turns=(replace(policy, **{name: value}), env))
+        assert not tampered.verify(), name
+
+
+def test_single_turn_digests_do_not_change_with_the_episode_fields():
+    """``turns == ()`` hashes as before episodes existed, so checkpoints and queue logs from earlier runs verify."""
+    assert Trajectory.create(**BASE).checksum == EARLIER_DIGEST
 
 
 @settings(max_examples=50, deadline=None)
