@@ -50,3 +50,24 @@ def test_train_two_steps_on_tool_episodes(plugins, _rlctl_home, tmp_path, tiny_p
         assert len(t.response_tokens) <= 16
         for turn in t.turns:
             assert set(t.action_mask[turn.start:turn.end]) <= ({1} if turn.writer.value == "policy" else {0})
+
+
+@pytest.mark.ray
+def test_ray_async_rollout_actors_run_episodes(ray_cluster, plugins, _rlctl_home, tmp_path, tiny_policy_dir):
+    """The Ray placement builds each rollout actor's backend with the episode driver (the actor gets the whole
+    rollout section), so async training on Ray runs episodes and the audit stays clean."""
+    from rlctl.engine.ledger import audit
+    from rlctl.engine.queue import TrajectoryQueue
+    from tests.integration.test_ray import run_ray
+
+    env = ("rollout.environment={name: tools, options: {tools: {calc: {tool: calculator}}, "
+           "limits: {max_turns: 3, max_total_tokens: 6}}}")
+    done = run_ray(plugins, _rlctl_home, tmp_path / "ray", "mode=async", "train.steps=2", env)
+    assert [s for s, _ in done.rows] == [0, 1] and done.version == 2
+    report = audit(tmp_path / "ray" / "queue")
+    assert report.lost == () and report.double_counted == 0 and report.trained == 8
+    queue = TrajectoryQueue(tmp_path / "ray" / "queue")
+    try:
+        assert all(t.turns and t.verify() for g in queue._iter_log() for t in g.trajectories)
+    finally:
+        queue.close()

@@ -182,5 +182,5 @@ def test_python_tool_runs_in_the_sandbox(plugins, needs_sandbox):
     assert (ok.tool_status, _text(ok)) == ("ok", "<out>42</out>")
     raised = _step(env, "<py>1/0</py>")
     assert raised.tool_status == "invalid" and "ZeroDivisionError" in _text(raised)
-    net = _step(env, "<py>import urllib.request; urllib.request.urlopen('http://1.1.1.1', timeout=1)</py>")
+    net = _step(env, "<py>import urllib.request; urllib.request.urlopen('http://127.0.0.1:9', timeout=1)</py>")
     assert net.tool_status == "invalid" and "error" in _text(net)
