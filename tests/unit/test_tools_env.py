@@ -75,6 +75,27 @@ def test_calculator_refuses_what_is_not_bounded_arithmetic(expr, why):
 
 # ---- syntax and step semantics --------------------------------------------------------------------------------
 
+_TEXT = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TEXT, _TEXT.filter(lambda a: "</calc>" not in a), st.sampled_from(["", " ", "  "]))
+def test_tags_parser_returns_the_arguments_of_the_call_that_ends_the_turn(plugins, before, args, trailing):
+    env = _env(plugins)
+    assert env.parse(f"{before}<calc>{args}</calc>{trailing}") == ("calc", args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TEXT)
+def test_tags_parser_on_any_text_finds_a_call_says_none_or_blames_the_policy(plugins, text):
+    try:
+        found = _env(plugins).parse(text)
+    except BadToolCall as err:
+        assert err.message
+    else:
+        assert found is None or (found[0] == "calc" and text.rstrip().endswith("</calc>"))
+
+
 def test_tags_call_is_answered_with_out_tokens_encoded_by_the_environment(plugins):
     env = _env(plugins)
     assert env.stop == ("</calc>",)
@@ -184,3 +205,15 @@ def test_python_tool_runs_in_the_sandbox(plugins, needs_sandbox):
     assert raised.tool_status == "invalid" and "ZeroDivisionError" in _text(raised)
     net = _step(env, "<py>import urllib.request; urllib.request.urlopen('http://127.0.0.1:9', timeout=1)</py>")
     assert net.tool_status == "invalid" and "error" in _text(net)
+
+
+def test_a_bad_environment_config_stops_the_run_before_any_model_loads(plugins, _rlctl_home):
+    from rlctl.config.load import load_config
+    from rlctl.placement import place
+    from tests.conftest import TINY_OVERRIDES
+
+    config = load_config(None, [*TINY_OVERRIDES, "rollout.environment={name: tools, options: {tools: "
+                                                  "{calc: {tool: calculater}}}}"])
+    with pytest.raises(ConfigError, match="rollout.environment.options.tools.calc: no tool named 'calculater'"):
+        place(config, plugins, cache_root=_rlctl_home / "no-cache")
+    assert not (_rlctl_home / "no-cache").exists()
