@@ -1,5 +1,5 @@
 """``rlctl train`` with ``rollout.environment``: the tiny model trains on multi-turn episodes with the calculator,
-in sync and async mode, and the async queue carries whole episodes (turns, masks) with a clean audit."""
+in every mode (and async on Ray), and the async queue carries whole episodes (turns, masks) with a clean audit."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ rollout:
 """
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
 def test_train_two_steps_on_tool_episodes(plugins, _rlctl_home, tmp_path, tiny_policy_dir, mode):
     from rlctl.config.load import load_config
     from rlctl.engine.ledger import audit
@@ -36,7 +36,7 @@ def test_train_two_steps_on_tool_episodes(plugins, _rlctl_home, tmp_path, tiny_p
         assert result.run.status == "succeeded"
         steps = {p.step for p in reg.metrics(result.run.id)}
     assert steps == {0, 1}
-    if mode == "sync":
+    if mode == "sync":  # no queue: the async path below checks what the queue carries
         return
     report = audit(tmp_path / "run" / "queue")
     assert report.double_counted == 0 and report.lost == () and report.trained == 8
