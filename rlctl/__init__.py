@@ -16,6 +16,7 @@ from rlctl.contracts.errors import (
     RolloutUnavailable,
     RunbookError,
     ToolError,
+    BadToolCall,
 )
 from rlctl.contracts.types import (
     CriticContext,
@@ -65,5 +66,6 @@ __all__ = [
     "RolloutUnavailable",
     "RunbookError",
     "ToolError",
+    "BadToolCall",
     "__version__",
 ]
