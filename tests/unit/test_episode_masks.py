@@ -403,3 +403,33 @@ def test_dapo_overlong_penalty_measures_an_episode_by_its_longest_policy_turn(se
     dapo = build_estimator(cfg, plugins)
     shaped = dapo.shape_rewards(torch.zeros(2, 4), torch.tensor(sampled_lengths(eps)).view(2, 4), max_tokens=6)
     assert shaped.tolist() == [[0.0, 0.0, -0.5, 0.0], [0.0, 0.0, -1.0, 0.0]]  # tool episodes are not punished
+
+
+# -- the whole training step ------------------------------------------------------------------------------------
+
+def test_a_training_step_on_episode_groups_measures_and_trains_only_policy_tokens(session, plugins):
+    """``train_on`` (the step every mode runs) on the episode groups, one of them reweighted as beyond the
+    staleness bound: it trains and publishes, and D_lag -- |log pi_learner - log mu| averaged over the trained
+    tokens -- is ~0 when mu is the learner's own log-probs; it would be ~|log pi| if the environment's tokens
+    (behaviour log-prob 0.0) were counted. Runs last in this module: it moves the session's learner."""
+    from rlctl.engine.groups import select_groups
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.engine.step import StepInput, train_on
+
+    eps = episodes(session)
+    b = build_batch(eps, [0.0] * 8, session.tokenizer.pad_token_id, session.sampling)
+    logp = session.learner.logprobs(b)
+    eps = [t.updated(behavior_logprobs=tuple(float(x) if m else 0.0 for x, m in zip(
+        logp[i, len(t.prompt_tokens):len(t.prompt_tokens) + t.num_response_tokens].tolist(), t.action_mask)))
+        for i, t in enumerate(eps)]
+    spec = LoopSpec.from_config(session.config)
+    sel = select_groups(eps, session.estimator, 4, spec.max_tokens)
+    assert len(sel.kept) == 8
+    version = session.learner.policy_version
+    outcome = train_on(StepInput(selection=sel, times={"T_r": 1.0, "T_v": 0.0}, reweighted=frozenset({1}),
+                                 staleness=[0, 3]), session, spec, step=0)
+    m = outcome.metrics
+    assert outcome.updated and outcome.version == version + 1 and m["groups_trained"] == 2.0
+    assert m["reweighted_groups"] == 1.0 and math.isfinite(m["loss"]) and math.isfinite(m["entropy"])
+    assert m["dlag_p99"] < 1e-4 and m["logprob_mismatch_max"] < 1e-4
+    assert outcome.samples[:4] == tuple(eps[:4])
