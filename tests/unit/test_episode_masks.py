@@ -150,9 +150,9 @@ class LogitGrads:
             self.outputs.append(output)
 
 
-def frozen(session, plugins, name: str, kl: str, share: bool = False, tokens: int | None = None):
+def frozen(session, plugins, name: str, kl: str, share: bool = False, tokens: int | None = None, **algo):
     """A float64 learner with lr 0 (each train step leaves the weights as they were, so gradients compare)."""
-    lrn = make(session, plugins, name, kl=kl, share=share, tokens=tokens, size=8)
+    lrn = make(session, plugins, name, kl=kl, share=share, tokens=tokens, size=8, **algo)
     for group in lrn.optimizer.param_groups:
         group["lr"] = 0.0
     lrn.scheduler.base_lrs = [0.0 for _ in lrn.scheduler.base_lrs]
@@ -301,14 +301,15 @@ def test_the_learners_loss_kl_and_entropy_on_an_episode_are_those_of_its_policy_
 # -- (c) an episode trains exactly its policy tokens ---------------------------------------------------------------
 
 @pytest.mark.parametrize("share", [False, True], ids=["plain", "prefill-shared"])
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
-def test_an_episode_trains_its_policy_tokens_as_a_dense_response_would(session, plugins, batch, name, share):
+@pytest.mark.parametrize("name,agg", [("grpo", None), ("dr_grpo", None), ("gspo", None),
+                                      ("grpo", "seq-mean-token-mean")])
+def test_an_episode_trains_its_policy_tokens_as_a_dense_response_would(session, plugins, batch, name, agg, share):
     """Loss and gradient of the learner on the episode batch equal those of a reference that forwards each whole
     row once (environment tokens are context), gathers the policy tokens' log-probs into a dense [N, L] response
     and applies the loss (and KL-in-loss) with an all-ones mask over them."""
     from rlctl.algo import gspo_loss
 
-    lrn = frozen(session, plugins, name, "loss", share=share)
+    lrn = frozen(session, plugins, name, "loss", share=share, loss_agg=agg)
     ref_model = make(session, plugins, name, kl="loss").model  # the same weights, float64
     adv = torch.where(batch.action_mask > 0, torch.linspace(-1, 1, 8)[:, None], 0.0)
     trained = replace(batch, advantages=adv)
