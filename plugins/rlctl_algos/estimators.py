@@ -21,7 +21,8 @@ from rlctl import AdvantageInputs, ConfigError
 
 
 def broadcast(per_sequence: Tensor, action_mask: Tensor) -> Tensor:
-    """``[B, G]`` sequence advantages onto the response tokens of ``[N, T]`` rows (0 elsewhere)."""
+    """``[B, G]`` sequence advantages onto the trained tokens of ``[N, T]`` rows (0 elsewhere: prompt, padding,
+    an episode's environment tokens)."""
     return per_sequence.reshape(-1, 1).float() * (action_mask > 0)
 
 
@@ -136,7 +137,11 @@ class DAPO(_OwnClip):
 
 
 class PPO(_Outcome):
-    """PPO with a critic: per-token rewards (outcome at the end, KL penalty per token), GAE, whitened."""
+    """PPO with a critic: per-token rewards (outcome at the end, KL penalty per token), GAE, whitened.
+
+    An episode's environment tokens are not steps: the reward goes on the last policy token and GAE runs
+    over the policy tokens only (rlctl.algo.gae), so the critic's targets are 0 off the action mask.
+    """
 
     needs_critic = True
     kl_in_token_rewards = True

@@ -24,7 +24,9 @@ class TrainBatch:
 
     Token-level tensors are aligned so that position t holds token t; the
     logprob of token t is predicted from position t-1. ``action_mask`` is 1 on
-    response tokens that are trained on (never on prompt or padding).
+    response tokens that are trained on (never on prompt or padding, nor on a
+    multi-turn episode's environment tokens, which sit between its policy
+    turns: the mask can have zeros in the middle of a response).
     """
 
     input_ids: Tensor  # [N, T] long
@@ -85,7 +87,7 @@ class AdvantageInputs:
 
     rewards: Any  # [B, G] float32, NaN allowed where not valid
     valid: Any  # [B, G] bool
-    action_mask: Any  # [N, T] float, 1 on response tokens
+    action_mask: Any  # [N, T] float, 1 on the policy's response tokens (0 on an episode's environment tokens)
     token_kl: Any | None = None  # [N, T]
     kl_coef: float = 0.0
     values: Any | None = None  # [N, T]

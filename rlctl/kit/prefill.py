@@ -5,6 +5,14 @@ G responses of a GRPO group share one prompt: the prompt's KV cache is built
 once and reused by every response (gradients flow back through it into the
 one prompt forward). Same maths as the plain forward, fewer FLOPs.
 
+Episodes: the shared prefix of a row is everything before its first trained
+token -- the prompt, plus the opening observation of an episode whose
+environment speaks first (shared when the G episodes got the same one).
+Everything after it, an episode's later environment turns included, is
+forwarded per row exactly as the plain path does, so log-probs agree on
+every position and the action mask alone decides what is trained
+(tests/unit/test_episode_masks.py).
+
 What this is not: the plain forward (TorchLearner._logprobs), which the
 learner takes when no prompt is shared.
 """

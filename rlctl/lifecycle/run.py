@@ -260,7 +260,9 @@ class Run:
             self.cb.run_started(self.record)
         for note in ignored_options(config):
             self.warn(note)
-        self._sinks = [RegistrySink(self.registry, run_id)] + [
+        from rlctl.engine.samples import SampleLog
+
+        self._sinks = [RegistrySink(self.registry, run_id), SampleLog(self.dir.root)] + [  # samples.jsonl
             self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
                                run_dir=self.dir.root, run_id=run_id)
             for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]
