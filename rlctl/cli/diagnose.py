@@ -16,7 +16,9 @@ runbook_app = typer.Typer(help="Incident runbooks (runbooks/*.md): list, read, c
 
 def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
              report: Optional[Path] = typer.Option(None, "--report", help="Write a self-contained HTML report "
-                                                   "(metric curves with the flagged windows shaded)."),
+                                                   "(metric curves with the flagged windows shaded, and a few of "
+                                                   "the run's stored episodes)."),
+             episodes: int = typer.Option(3, "--episodes", min=0, help="Stored episodes the HTML report shows."),
              png_dir: Optional[Path] = typer.Option(None, "--png-dir", help="Write one PNG per finding here."),
              registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Walk the diagnosis tree over a run's recorded metrics and events; findings ranked by severity."""
@@ -30,8 +32,12 @@ def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
     result = run_diagnosis(rec.id, history, load_runbooks())
     written = []
     if report is not None:
+        from rlctl.engine.samples import episode_json, read_samples
+
+        stored = read_samples(Path(rec.run_dir)) if rec.run_dir and episodes else []
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(render_html(result, history), encoding="utf-8")
+        report.write_text(render_html(result, history, [episode_json(s) for s in stored[-episodes:]] if episodes
+                                      else []), encoding="utf-8")
         written.append(str(report))
     if png_dir is not None:
         written += [str(p) for p in render_pngs(result, history, png_dir)]

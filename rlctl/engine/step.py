@@ -68,6 +68,8 @@ def train_on(inputs: StepInput, roles: Roles, spec: LoopSpec, *, step: int,
 
     sel, beat = inputs.selection, heartbeat.phase
     version = roles.learner.policy_version  # the policy the batch is trained against
+    if roles.samples is not None:  # a few of the step's episodes, for people to read
+        roles.samples.record(step, trained=sel.kept, dropped=sel.unscored, no_signal=sel.no_signal)
     if not sel.kept:
         metrics = _metrics(inputs, spec, scored=sel.no_signal, learner_stats={}, adv_stats={},
                            signal=torch.zeros(len(sel.no_signal)), dlag=[], version=version, trained_version=version,

@@ -254,7 +254,12 @@ class Run:
         from rlctl.engine.spec import LoopSpec, ignored_options
         from rlctl.incidents.recovery import RunGuard
 
+        from dataclasses import replace
+
+        from rlctl.engine.samples import FILE, SampleLog
+
         config, run_id = roles.config, self.record.id
+        roles = replace(roles, samples=SampleLog(self.dir.root / FILE, config.train.samples_per_step, roles.tokenizer))
         self._start_files(roles)
         if self.cb.run_started:
             self.cb.run_started(self.record)
