@@ -18,8 +18,8 @@ handler produces the real failure, never a log line that pretends one:
   counted per sample; a sample that comes in already failed (a re-score in
   another process than its first call) counts as at least its second attempt.
 - ``tool-timeout`` / ``tool-error``: for a ``rate`` fraction of (episode,
-  attempt) pairs a tool call of an environment (``target``: a tool name such
-  as ``calculator``; default every tool) at ``tool.call`` raises
+  attempt) pairs a tool call of an environment (``target``: the tool's name
+  as the policy writes it, e.g. ``calc``; default every tool) at ``tool.call`` raises
   ``TimeoutError`` (after ``delay_s``) or ``ToolError``; the environment
   records it on the env turn (``tool_status`` "timeout" / "error") and flags
   the episode (never a zero reward). Attempts are counted per episode, so a
