@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlctl import hookimpl
 from tests.conftest import TINY_OVERRIDES
 
@@ -62,13 +64,16 @@ def _train(home: Path, tmp: Path, *overrides: str):
     return result, registry, run_dir
 
 
-def test_ten_percent_tool_timeouts_are_flagged_dropped_whole_counted_alerted_and_diagnosed(_rlctl_home, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ten_percent_tool_timeouts_are_flagged_dropped_whole_counted_alerted_and_diagnosed(_rlctl_home, tmp_path,
+                                                                                            mode):
     from rlctl.engine.samples import read_samples
     from rlctl.incidents.diagnose import diagnose_run
 
     steps, g = 4, 4
-    result, reg, run_dir = _train(_rlctl_home, tmp_path, f"train.steps={steps}", "faults.verifier_retries=0",
-                                  "train.samples_per_step=8", "faults.inject=[{kind: tool-timeout, rate: 0.1}]")
+    result, reg, run_dir = _train(_rlctl_home, tmp_path, f"mode={mode}", f"train.steps={steps}",
+                                  "faults.verifier_retries=0", "train.samples_per_step=8",
+                                  "faults.inject=[{kind: tool-timeout, rate: 0.1}]")
     assert result.run.status == "succeeded"
     run_id = result.run.id
     m = {(p.step, p.name): p.value for p in reg.metrics(run_id)}

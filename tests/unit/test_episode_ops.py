@@ -227,3 +227,40 @@ def test_rlctl_episodes_renders_and_prints_json(tmp_path) -> None:
     assert "b/0" not in text.output
     empty = CliRunner().invoke(app, ["episodes", run.id, "--step", "7", "--registry", url])
     assert empty.exit_code == 0 and "no stored episodes at step 7" in empty.output
+
+
+@pytest.mark.parametrize(("kind", "options", "status"), [("tool-timeout", {}, "timeout"), ("tool-error", {}, "error"),
+                                                          ("tool-error", {"delay_s": 0.5}, "timeout")])
+def test_the_tools_environment_flags_an_injected_failure_of_the_real_calculator(kind, options, status) -> None:
+    """The built-in environment's timed call: an injected TimeoutError or ToolError is the matching tool_status;
+    a fault slower than the step deadline is a timeout however it ends."""
+    from rlctl.config.models import EnvironmentConfig
+    from rlctl.engine.episodes import build_environment
+    from rlctl.hooks.manager import load_plugins
+
+    plugins = load_plugins()
+    env = build_environment(plugins, EnvironmentConfig(name="tools", options={
+        "tools": {"calc": {"tool": "calculator"}}, "limits": {"step_timeout_s": 0.2}}), tokenizer=None)
+    episode = env.start("p1", (1, 2))
+    assert episode._call("calc", "6*7")[:2] == ("ok", "42")
+    ctx, disarm = _armed(plugins, kind, rate=1.0, target="calc", **options)
+    try:
+        got, why, _ = episode._call("calc", "6*7")
+    finally:
+        disarm()
+    assert got == status and ctx.num_fired == 1, why
+
+
+def test_rlctl_inject_builds_tool_fault_specs_and_refuses_bad_options() -> None:
+    from rlctl.contracts.errors import ConfigError
+    from rlctl.hooks.manager import load_plugins
+    from rlctl.incidents.inject import fault_override, make_spec
+
+    plugins = load_plugins()
+    spec = make_spec("tool-timeout", at_step=None, count=None, rate=0.1, target="calc", options=["delay_s=0.5"],
+                     plugins=plugins)
+    assert json.loads(fault_override(spec).partition("=")[2]) == [
+        {"kind": "tool-timeout", "rate": 0.1, "target": "calc", "options": {"delay_s": 0.5}}]
+    with pytest.raises(ConfigError, match="delay"):
+        make_spec("tool-error", at_step=None, count=None, rate=None, target=None, options=["delay=1"],
+                  plugins=plugins)
