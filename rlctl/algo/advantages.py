@@ -90,14 +90,25 @@ def gae(
     gamma: float,
     lam: float,
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over token positions.
+    """Generalised advantage estimation over the policy's tokens.
 
-    ``rewards``, ``values``, ``mask`` are ``[N, T]``; ``mask`` marks response
-    tokens. delta_t = r_t + gamma * V_{t+1} - V_t and
-    A_t = delta_t + gamma * lam * A_{t+1}, where V_{t+1} and A_{t+1} count as 0
-    past the last valid token (the episode ends there). Returns
-    ``(advantages [N, T], returns [N, T])`` with returns = A + V; both are 0 at
-    masked positions. Computed in fp32 without gradient (targets, not outputs).
+    ``rewards``, ``values``, ``mask`` are ``[N, T]``; ``mask`` marks the
+    policy's tokens (the steps). delta_t = r_t + gamma * V_{t'} - V_t and
+    A_t = delta_t + gamma * lam * A_{t'}, where t' is the NEXT MASKED position
+    after t, and V_{t'} and A_{t'} count as 0 past the last one (the episode
+    ends there). Positions outside ``mask`` are not steps: prompt and padding,
+    and in a multi-turn episode the environment's tokens between two policy
+    turns, carry no reward, no value and no discount (their rewards and values
+    are never read), so the recursion runs over the policy-token subsequence
+    as if the environment's tokens were not there. For a contiguous response
+    this is plain per-token GAE. Returns ``(advantages [N, T], returns [N, T])``
+    with returns = A + V; both are 0 outside ``mask``. Computed in fp32 without
+    gradient (targets, not outputs).
+
+    >>> m = torch.tensor([[1.0, 0.0, 0.0, 1.0]])  # a policy token, two environment tokens, a policy token
+    >>> adv, _ = gae(torch.tensor([[0.0, 9.0, 9.0, 1.0]]), torch.zeros(1, 4), m, gamma=0.5, lam=1.0)
+    >>> adv.tolist()
+    [[0.5, 0.0, 0.0, 1.0]]
     """
     if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
         raise ValueError("rewards, values and mask must all be [N, T] with equal shapes")
@@ -112,12 +123,14 @@ def gae(
         next_value = torch.zeros_like(r[:, 0])  # [N]
         for t in reversed(range(r.shape[1])):
             delta = r[:, t] + gamma * next_value - v[:, t]  # [N]
+            prev_adv = next_adv
             next_adv = delta + gamma * lam * next_adv
             adv[:, t] = next_adv
-            # Position t becomes "next" for t - 1; padding there ends the episode.
-            # torch.where (not a multiply) so NaN in padding cannot leak in.
-            next_value = torch.where(m[:, t], v[:, t], zero)
-            next_adv = torch.where(m[:, t], next_adv, zero)
+            # A masked position t becomes "next" for the policy token before it; an unmasked one (padding,
+            # an environment token) is skipped, so "next" stays the next policy token's (0 past the last).
+            # torch.where (not a multiply) so NaN outside the mask cannot leak in.
+            next_value = torch.where(m[:, t], v[:, t], next_value)
+            next_adv = torch.where(m[:, t], next_adv, prev_adv)
         adv = torch.where(m, adv, zero)
         returns = torch.where(m, adv + v, zero)
     return adv, returns
@@ -162,9 +175,12 @@ def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_kl: Tensor | None = None,
                           kl_coef: float = 0.0) -> Tensor:
-    """Per-token rewards: the sequence reward on its last response token, minus ``kl_coef * token_kl`` on every one.
+    """Per-token rewards: the sequence reward on its last masked token, minus ``kl_coef * token_kl`` on every one.
 
-    ``rewards`` is ``[N]``, ``mask`` and ``token_kl`` ``[N, T]``. This is the
+    ``rewards`` is ``[N]``, ``mask`` and ``token_kl`` ``[N, T]``. The mask
+    marks the policy's tokens, so in a multi-turn episode the reward lands on
+    the policy's last token (never on an environment token) and no
+    environment token carries a KL term. This is the
     reward that PPO's GAE and REINFORCE++'s returns consume; invalid rows are
     the caller's to mask (pass them with an all-zero mask row).
     """
@@ -189,9 +205,10 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, valid: Tensor | None 
     ``rewards`` ``[N]`` (one per sequence), ``mask`` ``[N, T]`` response tokens,
     ``valid`` ``[N]`` bool (invalid rows get 0 and stay out of the statistics),
     ``token_kl`` ``[N, T]`` per-token KL(pi_old || ref) estimates. The return at
-    token t is sum_{t' >= t} (reward_t' - kl_coef * kl_t'); advantages are the
-    returns normalised by the mean and std over every valid token of the batch
-    (a global baseline instead of a critic or a group).
+    token t is sum_{t' >= t} (reward_t' - kl_coef * kl_t') over the masked
+    (policy) tokens t' (an episode's environment tokens add nothing); advantages
+    are the returns normalised by the mean and std over every valid token of
+    the batch (a global baseline instead of a critic or a group), 0 elsewhere.
     """
     if valid is None:
         valid = torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)

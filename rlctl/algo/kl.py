@@ -82,7 +82,11 @@ def kl_shaped_rewards(rewards: Tensor, behavior_logp: Tensor, ref_logp: Tensor, 
     KL in the reward (rather than in the loss) penalises drift before the group
     baseline is taken, so it moves advantages, not the gradient directly.
     ``rewards`` is [B, G]; the log-probs and mask are [B*G, T] in the same order.
-    Padding and prompt tokens (mask 0) contribute nothing.
+    Prompt, padding and an episode's environment tokens (mask 0) contribute
+    nothing, whatever log-probs they hold (``torch.where``, not a product, so
+    an inf there cannot turn into NaN).
     """
-    kl_seq = (kl_estimate(behavior_logp, ref_logp, kind) * action_mask).sum(-1)  # [B*G]
+    per_token = kl_estimate(behavior_logp, ref_logp, kind)  # [B*G, T]
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    kl_seq = torch.where(action_mask > 0, per_token, zero).sum(-1)  # [B*G]
     return rewards - coef * kl_seq.view_as(rewards)

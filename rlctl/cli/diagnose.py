@@ -32,12 +32,11 @@ def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
     result = run_diagnosis(rec.id, history, load_runbooks())
     written = []
     if report is not None:
-        from rlctl.engine.samples import episode_json, read_samples
+        from rlctl.lifecycle.episodes import stored_episodes
 
-        stored = read_samples(Path(rec.run_dir)) if rec.run_dir and episodes else []
+        shown = stored_episodes(rec.run_dir, n=episodes) if rec.run_dir else []
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(render_html(result, history, [episode_json(s) for s in stored[-episodes:]] if episodes
-                                      else []), encoding="utf-8")
+        report.write_text(render_html(result, history, shown), encoding="utf-8")
         written.append(str(report))
     if png_dir is not None:
         written += [str(p) for p in render_pngs(result, history, png_dir)]

@@ -1,4 +1,4 @@
-"""``rlctl episodes RUN``: a run's stored episodes, turn by turn (thin renderer over rlctl.engine.samples)."""
+"""``rlctl episodes RUN``: a run's stored episodes, turn by turn (thin renderer over rlctl.lifecycle.episodes)."""
 
 from __future__ import annotations
 
@@ -19,27 +19,27 @@ def episodes(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
              step: Optional[int] = typer.Option(None, "--step", help="Only this step (negative: from the end, "
                                                 "-1 = the last stored step); default every stored step."),
              n: int = typer.Option(4, "--n", min=1, help="Episodes to show (the newest)."),
-             split: Optional[str] = typer.Option(None, "--split", help="Only this split (train)."),
              registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
-    """Show a run's stored episodes turn by turn: the policy's and the environment's tokens told apart, each
-    tool call's name, status and latency, per-turn and final rewards (train.samples_per_step keeps them)."""
+    """Show a run's stored training episodes turn by turn: the policy's and the environment's tokens told apart,
+    each tool call's name, status and latency, per-turn and final rewards (the run keeps a few per logged step in
+    <run_dir>/samples.jsonl, a dropped group's among them)."""
     from rlctl.contracts.errors import RegistryError
-    from rlctl.engine.samples import FILE, episode_json, read_samples
+    from rlctl.engine.samples import FILE
+    from rlctl.lifecycle.episodes import stored_episodes
 
     with open_registry(registry) as reg:
         rec = reg.get_run(run)
     if not rec.run_dir:
         raise RegistryError(f"run {rec.id} has no run directory, so no stored episodes",
-                            "episodes are kept by runs trained with train.samples_per_step > 0")
-    samples = read_samples(Path(rec.run_dir), step=step, split=split)[-n:]
-    shown = [episode_json(s) for s in samples]
+                            "episodes are kept in the run directory of a run trained by this version of rlctl")
+    shown = stored_episodes(rec.run_dir, step=step, n=n)
     if json_out:
         _output.print_json({"run_id": rec.id, "episodes": shown})
         return
     if not shown:
         where = f" at step {step}" if step is not None else ""
         _output.console.print(f"run {rec.id}: no stored episodes{where} in {Path(rec.run_dir) / FILE} "
-                              "(train.samples_per_step keeps a few per step)")
+                              "(the run keeps a few per logged step)")
         return
     _output.console.print(f"[{POLICY_STYLE}]policy tokens[/] / [{ENV_STYLE}]environment tokens[/]")
     for episode in shown:

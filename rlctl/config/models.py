@@ -274,8 +274,6 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log_every: int = Field(1, ge=1, description="Metric logging period in steps: sinks get every N-th step and the "
                            "last; with no terminal (output piped to a file) the live display prints one line per N steps.")
-    samples_per_step: int = Field(4, ge=0, description="Episodes of each step kept in <run_dir>/samples.jsonl for "
-                                  "`rlctl episodes RUN` and the HTML reports (a dropped group's first); 0 = none.")
     metric_sinks: list[str | MetricSinkSpec] = Field(
         default_factory=lambda: ["jsonl"],
         description="Metric sinks besides the registry: a name (jsonl, tensorboard, mlflow, wandb) or "
@@ -328,14 +326,15 @@ class CheckpointConfig(_Strict):
 class FaultSpec(_Strict):
     """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
 
-    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, tool-timeout, tool-error, "
-                      "bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
+    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, tool-timeout, "
+                      "tool-error, bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
                       "network-partition, weight-sync-failure (see `rlctl plugins`).")
     at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
     count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
-    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples (verifier faults) or episode tool calls (tool faults) hit.")
-    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint; tool faults: a tool name); "
-                               "default: the kind's own role.")
+    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples (verifier faults) or of episode tool "
+                        "calls (tool faults) hit.")
+    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint; tool faults: "
+                               "the tool's name as the policy writes it); default: the kind's own role.")
     options: dict[str, Any] = Field(default_factory=dict, description="Validated by the fault plugin.")
 
 
@@ -358,8 +357,7 @@ class FaultsConfig(_Strict):
 # Config paths a resume may change without --allow-config-change: they do not
 # change what the next step computes. A path covers everything below it.
 RESUME_MUTABLE_PATHS = (
-    "run.name", "train.steps", "train.log_every", "train.samples_per_step", "train.metric_sinks", "train.metrics_port",
-    "train.stop_rules", "eval",
+    "run.name", "train.steps", "train.log_every", "train.metric_sinks", "train.metrics_port", "train.stop_rules", "eval",
     "checkpoint.every_steps",
     "checkpoint.keep_last", "checkpoint.keep_best_metric", "checkpoint.keep_best_mode", "checkpoint.async_save",
     "faults",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rlctl.contracts.batch import TrainBatch
-from rlctl.contracts.types import PromptRecord, SamplingConfig, Trajectory
+from rlctl.contracts.types import PromptRecord, SamplingConfig, Trajectory, Writer
 
 
 @dataclass
@@ -80,7 +80,14 @@ class PromptCursor:
 
 def build_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float], pad_id: int,
                 sampling: SamplingConfig) -> TrainBatch:
-    """Right-padded [N, T] tensors; the response of row i starts right after its prompt."""
+    """Right-padded [N, T] tensors; the response of row i starts right after its prompt.
+
+    An episode's row holds every token after its prompt, the environment's
+    included, in order; its action mask (0 on the environment's tokens) and
+    behaviour log-probs come from the trajectory as they are, and its
+    advantage is set on every response position: what is trained is decided
+    by the action mask alone (the estimators zero the advantages outside it).
+    """
     import torch
 
     n = len(trajectories)
@@ -102,6 +109,18 @@ def build_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float],
         sampling=sampling, trajectory_ids=tuple(t.id for t in trajectories),
         policy_versions=tuple(t.policy_version for t in trajectories),
     )
+
+
+def sampled_lengths(trajectories: Sequence[Trajectory]) -> list[int]:
+    """The length each sample was sampled up to, what length shaping (DAPO's overlong penalty) compares with
+    ``rollout.max_tokens``: a single-turn sample's response, an episode's longest policy turn.
+
+    Every policy turn of an episode is one generation capped at ``max_tokens``;
+    the environment's tokens and the number of turns are not the policy's
+    length, so a tool-using episode is not punished for being one.
+    """
+    return [max((t.end - t.start for t in traj.turns if t.writer is Writer.POLICY), default=0) if traj.turns
+            else traj.num_response_tokens for traj in trajectories]
 
 
 def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[Any, Any]:

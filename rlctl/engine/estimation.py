@@ -39,6 +39,8 @@ def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, 
     An estimator that takes per-token rewards gets the per-token KL; the others
     get the sequence sum subtracted from the reward.
     """
+    import torch
+
     from rlctl.algo.kl import kl_estimate, kl_shaped_rewards
 
     token_kl = None
@@ -46,7 +48,8 @@ def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, 
     if kl_coef > 0:
         ref = ref_logprobs(batch)  # [N, T]
         if estimator.kl_in_token_rewards:
-            token_kl = kl_estimate(batch.behavior_logprobs, ref, kl_estimator) * batch.action_mask  # [N, T]
+            on = batch.action_mask > 0  # the policy's tokens: an episode's environment tokens get no KL term
+            token_kl = torch.where(on, kl_estimate(batch.behavior_logprobs, ref, kl_estimator), 0.0)  # [N, T]
             stats["kl_ref_reward"] = float(token_kl.sum() / batch.action_mask.sum().clamp(min=1))
         else:
             rewards = kl_shaped_rewards(rewards, batch.behavior_logprobs, ref, batch.action_mask, kl_coef,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.roles import AdvantageEstimator, RewardFunction, RolloutBackend
 from rlctl.contracts.types import PromptRecord, RolloutRequest, Trajectory
-from rlctl.engine.batching import drop_unscored_groups, group_rewards
+from rlctl.engine.batching import drop_unscored_groups, group_rewards, sampled_lengths
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.scoring import rescore_failed, score_all
 
@@ -50,7 +50,7 @@ def select_groups(scored: Sequence[Trajectory], estimator: AdvantageEstimator, g
         return Selection(kept=[], rewards=torch.zeros(0, group_size), valid=torch.zeros(0, group_size,
                          dtype=torch.bool), unscored=unscored, no_signal=[])
     rewards, valid = group_rewards(scorable, group_size)  # [b, G]
-    lengths = torch.tensor([t.num_response_tokens for t in scorable]).view_as(rewards)
+    lengths = torch.tensor(sampled_lengths(scorable)).view_as(rewards)  # an episode: its longest policy turn
     rewards = estimator.shape_rewards(rewards, lengths, max_tokens)
     keep = estimator.keep_groups(rewards, valid)  # [b] bool
     kept_rows = [g for g in range(rewards.shape[0]) if bool(keep[g])]

@@ -21,10 +21,12 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from rlctl.contracts.errors import RoleError
 from rlctl.contracts.roles import MetricSink
+from rlctl.contracts.types import Trajectory
 from rlctl.engine.groups import Sampler, request_encoder, sample_groups
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.metrics import MachineLoad
 from rlctl.engine.roles import Roles
+from rlctl.engine.samples import SampleLog
 from rlctl.engine.spec import LoopSpec
 from rlctl.engine.step import StepInput, train_on
 
@@ -68,11 +70,12 @@ class StepEnd:
         self.generated_total += tokens
         return self.generated_total
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> bool:
+    def log(self, step: int, metrics: Mapping[str, float], samples: Sequence[Trajectory] = ()) -> bool:
         """Write the step's metrics where due; whether the budget is spent (the loop stops after this step).
 
         ``metrics`` (the step's dict) gains the load metrics and the eval's in place, so the checkpoint and the
-        observer see them too."""
+        observer see them too. ``samples`` (the step's, StepOutcome.samples) go to the sinks that keep samples
+        (rlctl.engine.samples.SampleLog) at the same steps."""
         evaluated = self.evaluate(step) if self.evaluate is not None else None
         if isinstance(metrics, dict):
             metrics.update(self.load.sample())
@@ -84,6 +87,8 @@ class StepEnd:
                 or (bound is not None and mismatch is not None and mismatch > bound)):
             for sink in self.sinks:
                 sink.write(step, metrics)
+                if isinstance(sink, SampleLog):
+                    sink.write_samples(step, samples)
         check_mismatch(step, mismatch, bound)
         return spent
 
@@ -136,8 +141,9 @@ def run_sync(roles: Roles, spec: LoopSpec, sinks: Sequence[MetricSink], observer
                                    "generated_tokens_total": total, "generated_tokens_per_s":
                                    sampled.generated_tokens / sampled.times["T_r"] if sampled.times["T_r"] > 0
                                    else 0.0})
-        metrics = train_on(inputs, roles, spec, step=step, heartbeat=heartbeat).metrics
-        spent = end.log(step, metrics)
+        outcome = train_on(inputs, roles, spec, step=step, heartbeat=heartbeat)
+        metrics = outcome.metrics
+        spent = end.log(step, metrics, outcome.samples)
         end.save(step, metrics)
         end.observe(step, metrics)
         if spent:

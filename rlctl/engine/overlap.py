@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 from rlctl.contracts.errors import LearnerLost, RoleError
 from rlctl.contracts.roles import MetricSink
+from rlctl.contracts.types import Trajectory
 from rlctl.engine.groups import request_encoder, select_groups, unscorable_batch
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.ledger import Ledger
@@ -105,8 +106,8 @@ class _Overlapped:
         try:
             while step < self.spec.steps:
                 try:
-                    metrics = self._step(step, end)
-                    spent = end.log(step, metrics)
+                    metrics, samples = self._step(step, end)
+                    spent = end.log(step, metrics, samples)
                     self._save(end, step, metrics)
                     end.count(metrics["generated_tokens"])  # once the step is done: a redone step counts once
                 except LearnerLost as err:
@@ -169,7 +170,7 @@ class _Overlapped:
 
     # -- one step -------------------------------------------------------------------
 
-    def _step(self, step: int, end: StepEnd) -> dict[str, float]:
+    def _step(self, step: int, end: StepEnd) -> tuple[dict[str, float], tuple[Trajectory, ...]]:
         spec, counters = self.spec, self.producers.counters
         t0 = time.perf_counter()
         version = self.roles.learner.policy_version
@@ -197,7 +198,8 @@ class _Overlapped:
         return {**outcome.metrics, **self._queue_metrics(taken), "rollout_wait_s": rollout_wait,
                 "rollout_worker_failures": float(failures), "requeued_prompts": float(requeued),
                 "generated_tokens_per_s": generated / wall if wall > 0 else 0.0,
-                "effective_tokens_per_s": (generated / wall if wall > 0 else 0.0) * outcome.metrics["esr"]}
+                "effective_tokens_per_s": (generated / wall if wall > 0 else 0.0) * outcome.metrics["esr"]}, \
+            outcome.samples
 
     def _train(self, step: int, version: int, taken: TakeResult, times: dict[str, float], latencies: list[float],
                driver: dict[str, float]) -> StepOutcome:

@@ -85,7 +85,8 @@ class Group:
 
     ``key`` is the producer's draw index (prompt order); ``seq`` the log
     position (arrival order). ``policy_version`` is the oldest version among
-    the samples: staleness is judged by the stalest sample of the group.
+    the samples, and of an episode the oldest of its policy turns: staleness
+    is judged by the stalest segment of the group, never by a newer turn.
     """
 
     group_id: str
@@ -96,7 +97,7 @@ class Group:
 
     @property
     def policy_version(self) -> int:
-        return min(t.policy_version for t in self.trajectories)
+        return min(min((t.policy_version, *t.policy_versions)) for t in self.trajectories)
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,7 @@
 What this is: ``Roles``, what the placement layer (rlctl.placement) hands the
 loops once every role is built where it lives (in this process, or behind a
 handle to a Ray actor): task, tokenizer, rollout, learner, reward, estimator,
-critic, data cursor, and the run's sample log (a few episodes per step kept
-for people to read). No field is ever reassigned: a driver that needs other
+critic, data cursor. No field is ever reassigned: a driver that needs other
 objects (a dry run's metered roles) builds another ``Roles`` with
 ``dataclasses.replace``. ``ResumePoint`` is the explicit start of a loop: the
 completed steps and the trajectory queue's cursor of the overlapped driver.
@@ -25,7 +24,6 @@ from rlctl.engine.batching import PromptCursor
 if TYPE_CHECKING:  # pragma: no cover
     from rlctl.config.models import RunConfig
     from rlctl.engine.reward_pool import RewardPool
-    from rlctl.engine.samples import SampleLog
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +50,6 @@ class Roles:
     critic: CriticBackend | None = None  # the value model, when the estimator needs one
     reward_factory: Callable[[], RewardFunction] | None = None  # a fresh grader, for retries after a timeout/crash
     reward_pool: "RewardPool | None" = None
-    samples: "SampleLog | None" = None  # a few episodes of each step for `rlctl episodes` (rlctl.engine.samples)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class StepOutcome:
     metrics: dict[str, float]
     updated: bool  # a batch was trained (critic or policy) and the weights were published
     version: int  # the learner's policy version after the step
+    samples: tuple[Any, ...] = ()  # the step's scored samples, most telling first (rlctl.engine.samples)
 
 
 def train_on(inputs: StepInput, roles: Roles, spec: LoopSpec, *, step: int,
@@ -68,13 +69,11 @@ def train_on(inputs: StepInput, roles: Roles, spec: LoopSpec, *, step: int,
 
     sel, beat = inputs.selection, heartbeat.phase
     version = roles.learner.policy_version  # the policy the batch is trained against
-    if roles.samples is not None:  # a few of the step's episodes, for people to read
-        roles.samples.record(step, trained=sel.kept, dropped=sel.unscored, no_signal=sel.no_signal)
     if not sel.kept:
         metrics = _metrics(inputs, spec, scored=sel.no_signal, learner_stats={}, adv_stats={},
                            signal=torch.zeros(len(sel.no_signal)), dlag=[], version=version, trained_version=version,
                            times={"T_l": 0.0, "T_s": 0.0})
-        return StepOutcome(metrics=metrics, updated=False, version=version)
+        return StepOutcome(metrics=metrics, updated=False, version=version, samples=_samples(sel, spec.group_size))
     t0 = time.perf_counter()
     stats, advantages, dlag = _update(inputs, roles, spec, step, beat)
     t1 = time.perf_counter()
@@ -86,7 +85,15 @@ def train_on(inputs: StepInput, roles: Roles, spec: LoopSpec, *, step: int,
     metrics = _metrics(inputs, spec, scored=sel.kept, learner_stats=stats["learner"], adv_stats=stats["advantages"],
                        signal=advantages.abs().sum(-1), dlag=dlag, version=update.version, trained_version=version,
                        times={"T_l": t1 - t0, "T_s": t2 - t1})
-    return StepOutcome(metrics=metrics, updated=True, version=update.version)
+    return StepOutcome(metrics=metrics, updated=True, version=update.version, samples=_samples(sel, spec.group_size))
+
+
+def _samples(sel: Selection, group_size: int) -> tuple[Any, ...]:
+    """The step's samples as the run's sample log keeps them, most telling first: the first trained group, the
+    first group dropped for a sample that could not be scored (a failed tool, a grader error), then the rest
+    of the trained groups and the groups without signal."""
+    g = group_size
+    return (*sel.kept[:g], *sel.unscored[:g], *sel.kept[g:], *sel.no_signal)
 
 
 def _update(inputs: StepInput, roles: Roles, spec: LoopSpec, step: int,

@@ -15,7 +15,7 @@ against the machine's recorded load: when the machine was busy they become an
 run from the registry. ``render_html`` / ``render_pngs`` draw the metric
 curves of each finding with the flagged windows shaded (matplotlib, PNGs
 embedded base64 in one self-contained HTML file); the HTML report ends with
-a few of the run's stored episodes (rlctl.engine.samples), turn by turn,
+a few of the run's stored episodes (rlctl.lifecycle.episodes), turn by turn,
 policy and environment tokens in different colours.
 
 What this is not: the trigger semantics (rlctl.incidents.triggers), the runbook
@@ -210,7 +210,7 @@ def render_pngs(diagnosis: Diagnosis, history: History, directory: Path) -> list
 
 
 def render_html(diagnosis: Diagnosis, history: History, episodes: Sequence[dict[str, Any]] = ()) -> str:
-    """A self-contained HTML report (plots embedded as base64 PNG); ``episodes``: rlctl.engine.samples.episode_json
+    """A self-contained HTML report (plots embedded as base64 PNG); ``episodes``: rlctl.lifecycle.episodes.episode_json
     dicts shown at the end."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>rlctl diagnose {e(diagnosis.run_id)}</title>",

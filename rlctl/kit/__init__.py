@@ -33,6 +33,8 @@ version note. The groups:
   (own process group, parent-death signal, CPU / GPU pinning, health wait,
   logs, stop at exit and on SIGTERM / SIGINT), ``EngineLaunch`` (the
   ``launch`` block the engine plugins share), ``free_ports``, ``parse_cpus``.
+- run files: ``StepLines`` (a JSON-lines file with one line per step that a
+  re-run step replaces: what a sink writing into the run directory uses).
 - learners: ``TorchLearner`` and ``TorchLearnerOptions`` (the one-process
   torch learner, the base a sharded learner's rank extends), and the rank
   plumbing of sharded learners: ``RankGroup`` (the LearnerBackend over N
@@ -84,6 +86,9 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "engine servers": {
         "rlctl.serve.engines": ("EngineServers", "EngineLaunch", "free_ports", "parse_cpus"),
+    },
+    "run files": {
+        "rlctl.storage.step_lines": ("StepLines",),
     },
     "learners": {
         "rlctl.kit.torch_options": ("TorchLearnerOptions",),

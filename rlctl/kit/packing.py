@@ -166,7 +166,9 @@ def shared_layout(batch: TrainBatch) -> tuple[list[int], list[int], list, torch.
     """The packed row with each distinct prompt once, followed by its responses: flat ids, position ids, the
     attention groups ``(prompt start, prompt length, [(response start, end), ...])``, the flat index [n, T] of
     each (row, position) (-1 on padding) and each row's prompt length [n]. None when no prompt is shared or
-    a row has no response (then the plain packed layout is used)."""
+    a row has no response (then the plain packed layout is used). A row's "prompt" is everything before its
+    first trained token (an episode's opening observation included); an episode's later environment turns are
+    response tokens like any other here, only the action mask keeps them out of the loss."""
     ids, mask, act = batch.input_ids, batch.attention_mask, batch.action_mask  # [n, T]
     n, width = ids.shape
     if bool((act.sum(-1) == 0).any()):

@@ -27,6 +27,14 @@ def prefix_shared_logprobs(model: Any, batch: TrainBatch, with_entropy: bool):
     it into the one prompt forward), so a GRPO micro-batch costs about one
     prompt forward per group instead of G. Returns None when nothing is shared
     (or a row has no response), and the caller takes the plain path.
+
+    The shared prefix of a row is everything before its first trained token:
+    the prompt, plus the opening observation of an episode whose environment
+    speaks first (shared when the G episodes got the same one). Everything
+    after it -- an episode's later environment turns included -- is forwarded
+    per row, exactly as the plain path does, so log-probs agree on every
+    position and the action mask alone decides what is trained
+    (tests/unit/test_episode_masks.py).
     """
     ids, mask, act = batch.input_ids, batch.attention_mask, batch.action_mask  # [n, T]
     n, width = ids.shape

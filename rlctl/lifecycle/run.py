@@ -254,18 +254,15 @@ class Run:
         from rlctl.engine.spec import LoopSpec, ignored_options
         from rlctl.incidents.recovery import RunGuard
 
-        from dataclasses import replace
-
-        from rlctl.engine.samples import FILE, SampleLog
-
         config, run_id = roles.config, self.record.id
-        roles = replace(roles, samples=SampleLog(self.dir.root / FILE, config.train.samples_per_step, roles.tokenizer))
         self._start_files(roles)
         if self.cb.run_started:
             self.cb.run_started(self.record)
         for note in ignored_options(config):
             self.warn(note)
-        self._sinks = [RegistrySink(self.registry, run_id)] + [
+        from rlctl.engine.samples import SampleLog
+
+        self._sinks = [RegistrySink(self.registry, run_id), SampleLog(self.dir.root)] + [  # samples.jsonl
             self.plugins.build("metric_sink", name, options, f"train.metric_sinks.{i}.options",
                                run_dir=self.dir.root, run_id=run_id)
             for i, (name, options) in enumerate(sink_specs(config.train.metric_sinks))]

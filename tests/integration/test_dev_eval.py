@@ -33,6 +33,11 @@ def test_dev_curve_is_recorded_during_training(tmp_path, _rlctl_home, mode):
     assert len(events) == 2 and "on 5 prompts" in events[0].message
     lines = [json.loads(line) for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["metrics"]["eval_dev_pass_at_1"]) for line in lines] == curve
+    from rlctl.engine.samples import read_samples  # the trained samples of the same steps, in every mode
+
+    samples = list(read_samples(run["run_dir"]))
+    assert [step for step, _ in samples] == [0, 1] and all(len(ts) == 8 and ts[0].reward is not None
+                                                           for _, ts in samples)
     png = tmp_path / "curves.png"
     rlctl("runs", "plot", run["id"], "-o", str(png), home=tmp_path, check=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

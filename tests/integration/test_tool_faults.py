@@ -72,7 +72,7 @@ def test_ten_percent_tool_timeouts_are_flagged_dropped_whole_counted_alerted_and
 
     steps, g = 4, 4
     result, reg, run_dir = _train(_rlctl_home, tmp_path, f"mode={mode}", f"train.steps={steps}",
-                                  "faults.verifier_retries=0", "train.samples_per_step=8",
+                                  "faults.verifier_retries=0",
                                   "faults.inject=[{kind: tool-timeout, rate: 0.1}]")
     assert result.run.status == "succeeded"
     run_id = result.run.id
@@ -87,12 +87,12 @@ def test_ten_percent_tool_timeouts_are_flagged_dropped_whole_counted_alerted_and
         assert m[(s, "episode_dropped_groups")] == m[(s, "groups_dropped")]
         assert m[(s, "reward_error_count")] == m[(s, "groups_dropped")] * g
         assert m[(s, "episode_turns_mean")] >= 1 and m[(s, "time_tool_s")] >= 0
-    stored = read_samples(run_dir)
-    flagged = [x.trajectory for x in stored if x.status == "dropped"]
+    stored = [t for _, trajectories in read_samples(run_dir) for t in trajectories]
+    flagged = [t for t in stored if t.reward_error is not None]
     timed_out = [t for t in flagged if any(u.tool_status == "timeout" for u in t.turns)]
     assert timed_out and all(t.reward is None and t.reward_error.startswith("tool_timeout") for t in timed_out)
     alerts = [e for e in reg.events(run_id) if e.kind == "alert" and e.data["runbook"] == "tool-failures"]
     assert alerts, [e.message for e in reg.events(run_id) if e.kind == "alert"]
     diagnosis = diagnose_run(reg, run_id)
     assert diagnosis.findings[0].runbook == "tool-failures", [f.headline for f in diagnosis.findings]
-    assert json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])["trajectory"]["turns"]
+    assert json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])["samples"][0]["turns"]

@@ -14,10 +14,11 @@ from rlctl.contracts.errors import ToolError
 from rlctl.contracts.types import TerminalReason, Trajectory, Turn, Writer
 from rlctl.engine.faults import FaultContext, fault_site
 from rlctl.engine.metrics import episode_metrics
-from rlctl.engine.samples import SampleLog, episode_json, read_samples
+from rlctl.engine.samples import SampleLog
 from rlctl.incidents.diagnose import diagnose, render_html
 from rlctl.incidents.runbooks import load_runbooks
 from rlctl.incidents.triggers import History
+from rlctl.lifecycle.episodes import stored_episodes
 from tests.unit.test_engine_parts import traj
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,30 +181,43 @@ def test_diagnose_ranks_tool_failures_first_and_the_grader_symptoms_as_their_con
     assert not next(f for f in d.findings if f.branch == "grader").follows
 
 
-def test_stored_episodes_round_trip_and_render_turn_by_turn(tmp_path) -> None:
-    log = SampleLog(tmp_path / "samples.jsonl", per_step=3)
-    for step in range(3):
-        log.record(step, trained=[_episode("a", 0, reward=1.0), _episode("a", 1, reward=0.0)],
-                   dropped=[_episode("b", 0, status="timeout", reward_error="tool_timeout: calculator")])
-    log.record(3, trained=[traj("c", 0, reward=1.0, text="42")])
-    samples = read_samples(tmp_path)
-    assert [s.step for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert samples[0].status == "dropped" and samples[0].trajectory.turns[1].tool_status == "timeout"
-    assert [s.step for s in read_samples(tmp_path, step=-2)] == [2, 2, 2]
-    log.record(2, trained=[_episode("a", 0, reward=0.5)])  # a redone step: its last write wins
-    assert [s.trajectory.reward for s in read_samples(tmp_path, step=2) if s.trajectory.id == "a/0"] == [0.5]
-    with (tmp_path / "samples.jsonl").open("a") as f:
-        f.write('{"step": 4, "split": "tr')  # a torn last line is skipped
-    assert read_samples(tmp_path, step=-1)[0].step == 3
-    ep = episode_json(read_samples(tmp_path, step=0)[0])
-    assert [t["writer"] for t in ep["turns"]] == ["policy", "env", "policy"]
-    assert ep["turns"][1]["tool"] == "calculator" and ep["turns"][1]["tokens"] == [8, 9]
+def _store(run_dir: Path, steps: dict[int, list[Trajectory]]) -> None:
+    log = SampleLog(run_dir, per_step=8)
+    for step, trajectories in steps.items():
+        log.write_samples(step, trajectories)
+    log.close()
+
+
+def _flagged(pid: str, index: int) -> Trajectory:
+    """An episode whose tool call timed out for good: an empty env turn, no reward (its group was dropped)."""
+    turns = (Turn(start=0, end=3, writer=Writer.POLICY, policy_version=1),
+             Turn(start=3, end=3, writer=Writer.ENV, tool="calculator", tool_status="timeout", tool_seconds=2.0))
+    return traj(pid, index, response=(5, 6, 7), reason=TerminalReason.EOS, policy_version=1, turns=turns,
+                reward_error="tool_timeout: calculator failed after retries")
+
+
+def test_stored_episodes_turn_by_turn_newest_last_with_the_runs_tokens(tmp_path) -> None:
+    _store(tmp_path, {s: [_episode("a", 0, reward=1.0), _flagged("b", 0)] for s in range(3)}
+           | {3: [traj("c", 0, reward=1.0, text="42", response=(9, 9))]})
+    eps = stored_episodes(tmp_path, n=3, decode=lambda ids: "".join(chr(96 + i) for i in ids))
+    assert [(e["step"], e["id"]) for e in eps] == [(2, "a/0"), (2, "b/0"), (3, "c/0")]
+    assert [e["step"] for e in stored_episodes(tmp_path, step=-2, n=9, decode=str)] == [2, 2]
+    assert stored_episodes(tmp_path, step=7, decode=str) == []
+    ep, flagged, one = eps
+    assert [t["writer"] for t in ep["turns"]] == ["policy", "env", "policy"] and ep["status"] == "trained"
+    assert ep["turns"][1] | {"text": ep["turns"][1]["text"]} == {
+        "writer": "env", "start": 3, "end": 5, "tokens": [8, 9], "text": "hi", "policy_version": None,
+        "reward": None, "tool": "calculator", "tool_status": "ok", "tool_seconds": 0.5}
     assert ep["policy_tokens"] == 5 and ep["env_tokens"] == 2 and ep["policy_versions"] == [1, 2]
-    one = episode_json(read_samples(tmp_path, step=3)[0])
-    assert not one["multi_turn"] and [t["text"] for t in one["turns"]] == ["42"]
-    page = render_html(diagnose("r", History(metrics={}, events=[]), []), History(metrics={}, events=[]),
-                       [ep, one])
-    assert "turn env" not in page.split("<h2>Episodes</h2>")[0] and "class='turn failed'" in page
+    assert flagged["status"] == "dropped" and flagged["reward"] is None
+    assert flagged["turns"][1]["tool_status"] == "timeout" and flagged["turns"][1]["tokens"] == []
+    assert not one["multi_turn"] and [t["text"] for t in one["turns"]] == ["ii"]
+    plain = stored_episodes(tmp_path, step=3)[0]  # no tokenizer in this run directory: ids, the answer's text
+    assert plain["prompt"] == "1 2" and plain["turns"][0]["text"] == "42"
+    page = render_html(diagnose("r", History(metrics={}, events=[]), []), History(metrics={}, events=[]), eps)
+    episodes = page.split("<h2>Episodes</h2>")[1]
+    assert "<div class='turn policy'>" in episodes and "<div class='turn env'>hi</div>" in episodes
+    assert "<div class='turn failed'>" in episodes and "tool_timeout" in episodes
 
 
 def test_rlctl_episodes_renders_and_prints_json(tmp_path) -> None:
@@ -213,18 +227,17 @@ def test_rlctl_episodes_renders_and_prints_json(tmp_path) -> None:
     with Registry.open(f"sqlite:///{tmp_path / 'reg.db'}") as reg:
         run = reg.create_run(name="t", config={}, config_hash="h", code_version="c", dataset_version="d",
                              tokenizer_hash="t", seed=0, run_dir=str(tmp_path / "run"))
-    SampleLog(tmp_path / "run" / "samples.jsonl", per_step=4).record(
-        0, trained=[_episode("a", 0, reward=1.0, reward_components={"correct": 1.0})],
-        dropped=[_episode("b", 0, status="timeout", reward_error="tool_timeout: calculator")])
+    _store(tmp_path / "run", {0: [_episode("a", 0, reward=1.0, reward_components={"correct": 1.0}),
+                                  _flagged("b", 0)]})
     app, url = build_app(with_plugins=False), f"sqlite:///{tmp_path / 'reg.db'}"
     out = CliRunner().invoke(app, ["episodes", run.id, "--json", "--registry", url])
     assert out.exit_code == 0, out.output
     body = json.loads(out.output)
-    assert [e["id"] for e in body["episodes"]] == ["b/0", "a/0"]
-    assert body["episodes"][0]["reward"] is None and body["episodes"][0]["turns"][1]["tool_status"] == "timeout"
+    assert [e["id"] for e in body["episodes"]] == ["a/0", "b/0"]
+    assert body["episodes"][1]["reward"] is None and body["episodes"][1]["turns"][1]["tool_status"] == "timeout"
     text = CliRunner().invoke(app, ["episodes", run.id, "--step", "0", "--n", "1", "--registry", url])
-    assert text.exit_code == 0 and "a/0" in text.output and "env calculator ok 0.500s" in text.output
-    assert "b/0" not in text.output
+    assert text.exit_code == 0 and "b/0" in text.output and "env calculator timeout 2.000s" in text.output
+    assert "a/0" not in text.output and "tool_timeout" in text.output
     empty = CliRunner().invoke(app, ["episodes", run.id, "--step", "7", "--registry", url])
     assert empty.exit_code == 0 and "no stored episodes at step 7" in empty.output
 
