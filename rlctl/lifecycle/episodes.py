@@ -7,9 +7,10 @@ sample among them) and returns the newest ``n`` as ``episode_json`` dicts:
 each turn with who wrote it (``policy`` / ``env``), its span and token ids,
 its text, the weight version that sampled a policy turn, the tool, status and
 seconds of an environment turn, and its per-turn reward. A single-turn sample
-is one policy turn over the whole response. ``status`` is "dropped" for a
-sample without a reward (``reward_error``: its group was dropped whole, never
-scored 0), else "trained".
+is one policy turn over the whole response. ``status`` is "dropped" for the
+samples of a group with a sample that has no reward (``reward_error``: the
+group was dropped whole, that sample never scored 0, its siblings not trained
+on), else "trained".
 
 Texts: a turn's text is its token ids decoded with the run's tokenizer (read
 from the run's final policy directory, else its initial policy), for display
@@ -45,7 +46,8 @@ def stored_episodes(run_dir: str | Path, *, step: int | None = None, n: int = 4,
     picked = [(s, t) for s in sorted(by_step) for t in by_step[s]][-n:] if n > 0 else []
     if picked and decode is None:
         decode = run_decoder(Path(run_dir))
-    return [episode_json(s, t, decode) for s, t in picked]
+    dropped = {(s, t.prompt_id) for s, ts in by_step.items() for t in ts if t.reward_error is not None}
+    return [episode_json(s, t, decode, dropped=(s, t.prompt_id) in dropped) for s, t in picked]
 
 
 def run_decoder(run_dir: Path) -> Decode | None:
@@ -68,8 +70,10 @@ def run_decoder(run_dir: Path) -> Decode | None:
     return None
 
 
-def episode_json(step: int, t: Trajectory, decode: Decode | None = None) -> dict[str, Any]:
-    """One stored sample turn by turn (see the module docstring)."""
+def episode_json(step: int, t: Trajectory, decode: Decode | None = None, dropped: bool | None = None
+                 ) -> dict[str, Any]:
+    """One stored sample turn by turn (see the module docstring); ``dropped``: its group was dropped (default:
+    the sample itself has no reward)."""
     spans = t.turns or (Turn(start=0, end=len(t.response_tokens), writer=Writer.POLICY,
                              policy_version=t.policy_version),)
     last = len(spans) - 1
@@ -85,7 +89,7 @@ def episode_json(step: int, t: Trajectory, decode: Decode | None = None) -> dict
               "reward": u.reward, "tool": u.tool, "tool_status": u.tool_status, "tool_seconds": u.tool_seconds}
              for i, u in enumerate(spans)]
     return {"id": t.id, "prompt_id": t.prompt_id, "step": step,
-            "status": "dropped" if t.reward_error is not None else "trained", "multi_turn": bool(t.turns),
+            "status": "dropped" if (t.reward_error is not None if dropped is None else dropped) else "trained", "multi_turn": bool(t.turns),
             "prompt": decode(t.prompt_tokens) if decode is not None else " ".join(map(str, t.prompt_tokens)),
             "reward": t.reward, "reward_components": dict(t.reward_components), "reward_error": t.reward_error,
             "terminal_reason": t.terminal_reason.value, "policy_versions": list(t.policy_versions),

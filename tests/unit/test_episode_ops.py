@@ -197,11 +197,13 @@ def _flagged(pid: str, index: int) -> Trajectory:
 
 
 def test_stored_episodes_turn_by_turn_newest_last_with_the_runs_tokens(tmp_path) -> None:
-    _store(tmp_path, {s: [_episode("a", 0, reward=1.0), _flagged("b", 0)] for s in range(3)}
-           | {3: [traj("c", 0, reward=1.0, text="42", response=(9, 9))]})
-    eps = stored_episodes(tmp_path, n=3, decode=lambda ids: "".join(chr(96 + i) for i in ids))
-    assert [(e["step"], e["id"]) for e in eps] == [(2, "a/0"), (2, "b/0"), (3, "c/0")]
-    assert [e["step"] for e in stored_episodes(tmp_path, step=-2, n=9, decode=str)] == [2, 2]
+    _store(tmp_path, {s: [_episode("a", 0, reward=1.0), _episode("b", 1, reward=0.0), _flagged("b", 0)]
+                      for s in range(3)} | {3: [traj("c", 0, reward=1.0, text="42", response=(9, 9))]})
+    eps = stored_episodes(tmp_path, n=4, decode=lambda ids: "".join(chr(96 + i) for i in ids))
+    assert [(e["step"], e["id"]) for e in eps] == [(2, "a/0"), (2, "b/1"), (2, "b/0"), (3, "c/0")]
+    assert [e["status"] for e in eps] == ["trained", "dropped", "dropped", "trained"]  # b's group was dropped
+    eps = [eps[0], *eps[2:]]
+    assert [e["step"] for e in stored_episodes(tmp_path, step=-2, n=9, decode=str)] == [2, 2, 2]
     assert stored_episodes(tmp_path, step=7, decode=str) == []
     ep, flagged, one = eps
     assert [t["writer"] for t in ep["turns"]] == ["policy", "env", "policy"] and ep["status"] == "trained"
