@@ -17,6 +17,13 @@ handler produces the real failure, never a log line that pretends one:
   records them as ``timeout:`` / ``grader_error:`` error codes. Attempts are
   counted per sample; a sample that comes in already failed (a re-score in
   another process than its first call) counts as at least its second attempt.
+- ``tool-timeout`` / ``tool-error``: for a ``rate`` fraction of (episode,
+  attempt) pairs a tool call of an environment (``target``: the tool's name
+  as the policy writes it, e.g. ``calc``; default every tool) at ``tool.call`` raises
+  ``TimeoutError`` (after ``delay_s``) or ``ToolError``; the environment
+  records it on the env turn (``tool_status`` "timeout" / "error") and flags
+  the episode (never a zero reward). Attempts are counted per episode, so a
+  retried call (and the episode's next call) draws a fresh coin.
 - ``bad-checkpoint``: right after a checkpoint is committed
   (``checkpoint.committed``), truncates or bit-flips one of its files.
 - ``learner-crash``: SIGKILLs the process at ``learner.train_step`` (mid-step).
@@ -60,6 +67,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlctl.contracts.errors import ToolError
 from rlctl.kit import FaultContext, arm
 
 
@@ -161,6 +169,47 @@ class VerifierTimeout(_VerifierFault):
 
 class VerifierError(_VerifierFault):
     """The grader crashes on a ``rate`` fraction of (sample, attempt) pairs."""
+
+
+class ToolOptions(_Options):
+    delay_s: float = Field(0.0, ge=0, description="Seconds the tool spends before failing.")
+
+
+class _ToolFault:
+    error: type[Exception] = ToolError
+    what = "tool crashed"
+
+    def __init__(self, options: ToolOptions | None = None) -> None:
+        self.options = options or ToolOptions()
+
+    def arm(self, ctx: FaultContext) -> Callable[[], None]:
+        attempts: dict[str, int] = {}
+        lock = threading.Lock()  # environments call tools from a thread pool
+
+        def handler(value: Any, tool: str = "", episode: str = "", **_: Any) -> Any:
+            if ctx.target and tool != ctx.target or not ctx.in_window():
+                return value
+            with lock:
+                n = attempts[episode] = attempts.get(episode, 0) + 1
+                if not ctx.chance(f"{episode}/{n}"):
+                    return value
+                ctx.num_fired += 1
+            if self.options.delay_s:
+                time.sleep(self.options.delay_s)
+            raise self.error(f"{self.what}: {tool} in episode {episode} (call {n}, injected fault)")
+
+        return arm("tool.call", handler)
+
+
+class ToolTimeout(_ToolFault):
+    """A tool call times out on a ``rate`` fraction of (episode, attempt) pairs."""
+
+    error = TimeoutError
+    what = "tool deadline exceeded"
+
+
+class ToolErrorFault(_ToolFault):
+    """A tool call crashes (``ToolError``) on a ``rate`` fraction of (episode, attempt) pairs."""
 
 
 class BadCheckpointOptions(_Options):

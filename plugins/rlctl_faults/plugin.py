@@ -17,12 +17,14 @@ from rlctl_faults import kinds
 
 @hookimpl
 def register_faults(register: Callable[..., None]) -> None:
-    """Register nan, oom, verifier-timeout, verifier-error, bad-checkpoint, learner-crash, slow-rollout,
+    """Register nan, oom, verifier-timeout, verifier-error, tool-timeout, tool-error, bad-checkpoint, learner-crash, slow-rollout,
     slow-learner, worker-crash, network-partition, weight-sync-failure."""
     register("nan", kinds.NanFault, options=kinds.NanOptions)
     register("oom", kinds.OomFault, options=kinds.OomOptions)
     register("verifier-timeout", kinds.VerifierTimeout, options=kinds.VerifierOptions)
     register("verifier-error", kinds.VerifierError, options=kinds.VerifierOptions)
+    register("tool-timeout", kinds.ToolTimeout, options=kinds.ToolOptions)
+    register("tool-error", kinds.ToolErrorFault, options=kinds.ToolOptions)
     register("bad-checkpoint", kinds.BadCheckpoint, options=kinds.BadCheckpointOptions)
     register("learner-crash", kinds.LearnerCrash, options=None)
     register("slow-rollout", kinds.SlowRollout, options=kinds.SlowRolloutOptions)

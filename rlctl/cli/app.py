@@ -17,6 +17,7 @@ from rlctl.cli import checkpoints as checkpoints_cli
 from rlctl.cli import diagnose as diagnose_cli
 from rlctl.cli import faults as faults_cli
 from rlctl.cli import dryrun as dryrun_cli
+from rlctl.cli import episodes as episodes_cli
 from rlctl.cli import eval as eval_cli
 from rlctl.cli import plugins as plugins_cli
 from rlctl.cli import profile as profile_cli
@@ -47,6 +48,7 @@ def build_app(with_plugins: bool = True) -> typer.Typer:
     app.command("profile")(profile_cli.profile)
     app.command("ablate")(ablate_cli.ablate)
     app.add_typer(runs_cli.app, name="runs")
+    app.command("episodes")(episodes_cli.episodes)
     app.add_typer(plugins_cli.app, name="plugins")
     app.add_typer(registry_cli.app, name="registry")
     app.add_typer(reward_cli.app, name="reward")

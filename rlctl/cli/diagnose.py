@@ -16,7 +16,9 @@ runbook_app = typer.Typer(help="Incident runbooks (runbooks/*.md): list, read, c
 
 def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix)."),
              report: Optional[Path] = typer.Option(None, "--report", help="Write a self-contained HTML report "
-                                                   "(metric curves with the flagged windows shaded)."),
+                                                   "(metric curves with the flagged windows shaded, and a few of "
+                                                   "the run's stored episodes)."),
+             episodes: int = typer.Option(3, "--episodes", min=0, help="Stored episodes the HTML report shows."),
              png_dir: Optional[Path] = typer.Option(None, "--png-dir", help="Write one PNG per finding here."),
              registry: Optional[str] = RegistryOpt, json_out: bool = JsonOpt) -> None:
     """Walk the diagnosis tree over a run's recorded metrics and events; findings ranked by severity."""
@@ -30,8 +32,11 @@ def diagnose(run: str = typer.Argument(..., help="Run id (or a unique prefix).")
     result = run_diagnosis(rec.id, history, load_runbooks())
     written = []
     if report is not None:
+        from rlctl.lifecycle.episodes import stored_episodes
+
+        shown = stored_episodes(rec.run_dir, n=episodes) if rec.run_dir else []
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(render_html(result, history), encoding="utf-8")
+        report.write_text(render_html(result, history, shown), encoding="utf-8")
         written.append(str(report))
     if png_dir is not None:
         written += [str(p) for p in render_pngs(result, history, png_dir)]

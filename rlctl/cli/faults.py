@@ -11,7 +11,7 @@ from rlctl.cli import _output
 from rlctl.cli._options import JsonOpt, RegistryOpt, open_registry, rlctl_home
 
 
-def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, "
+def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom, verifier-timeout, verifier-error, tool-timeout, tool-error, "
                                      "bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
                                      "network-partition, weight-sync-failure (`rlctl plugins list`)."),
            config: Optional[Path] = typer.Argument(None, help="Start a new run of this config with the fault."),
@@ -20,8 +20,8 @@ def inject(fault: str = typer.Option(..., "--fault", help="Fault kind: nan, oom,
                                              "step if it is training now, else the run is resumed with the fault."),
            at_step: Optional[int] = typer.Option(None, "--at-step", help="First step the fault fires at."),
            count: Optional[int] = typer.Option(None, "--count", help="Steps in a row it fires for."),
-           rate: Optional[float] = typer.Option(None, "--rate", help="Fraction of samples hit (verifier faults)."),
-           target: Optional[str] = typer.Option(None, "--target", help="Role to hit (default: the kind's own)."),
+           rate: Optional[float] = typer.Option(None, "--rate", help="Fraction of samples (verifier faults) or episode tool calls (tool faults) hit."),
+           target: Optional[str] = typer.Option(None, "--target", help="Role to hit (default: the kind's own; tool faults: a tool name)."),
            option: Optional[List[str]] = typer.Option(None, "--option", help="Fault option key=value (repeatable)."),
            supervise: bool = typer.Option(False, "--supervise", help="Restart the run if the fault kills it."),
            run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory of a new run."),

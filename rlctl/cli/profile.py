@@ -44,7 +44,8 @@ def profile(target: str = typer.Argument(..., help="A YAML config (trained for a
 
 def report_json(report: Any) -> dict[str, Any]:
     return {"run_id": report.run_id, "source": report.source, "wall_s": report.wall_s,
-            "stage_totals_s": report.stage_totals, "coverage": report.coverage, "tokens_per_s": report.tokens_per_s,
+            "stage_totals_s": report.stage_totals, "tool_total_s": report.tool_total_s, "coverage": report.coverage,
+            "tokens_per_s": report.tokens_per_s,
             "rollout_latency_s": report.latency, "chart": report.chart, "notes": list(report.notes),
             "roofline": [_output.to_jsonable(r) for r in report.roofline],
             "steps": [dict(_output.to_jsonable(s), stage_sum_s=s.stage_sum) for s in report.steps],
@@ -53,15 +54,17 @@ def report_json(report: Any) -> dict[str, Any]:
 
 def render(report: Any) -> None:
     con = _output.console
-    rows = [(s.step, *(f"{s.stages[k]:.4f}" for k in ("T_r", "T_v", "T_l", "T_s")), f"{s.stage_sum:.4f}",
+    rows = [(s.step, f"{s.stages['T_r']:.4f}", f"{s.tool_s:.4f}",
+             *(f"{s.stages[k]:.4f}" for k in ("T_v", "T_l", "T_s")), f"{s.stage_sum:.4f}",
              "" if s.wall_s is None else f"{s.wall_s:.4f}",
              "" if s.wall_s is None else f"{s.wall_s - s.stage_sum:+.4f}") for s in report.steps]
     totals, wall = report.stage_totals, report.wall_s
-    rows.append(("total", *(f"{totals[k]:.4f}" for k in ("T_r", "T_v", "T_l", "T_s")), f"{sum(totals.values()):.4f}",
+    rows.append(("total", f"{totals['T_r']:.4f}", f"{report.tool_total_s:.4f}",
+                 *(f"{totals[k]:.4f}" for k in ("T_v", "T_l", "T_s")), f"{sum(totals.values()):.4f}",
                  "" if wall is None else f"{wall:.4f}", "" if wall is None else f"{wall - sum(totals.values()):+.4f}"))
     con.print(_output.table(f"stage times (s), {report.source}",
-                            ["step", "T_r rollout", "T_v reward", "T_l learner", "T_s sync", "stage sum",
-                             "wall (measured)", "other"], rows))
+                            ["step", "T_r rollout", "T_tool (in T_r)", "T_v reward", "T_l learner", "T_s sync",
+                             "stage sum", "wall (measured)", "other"], rows))
     if report.coverage is not None:
         con.print(f"stages cover {report.coverage:.1%} of the measured wall time ({wall:.3f}s); the rest is "
                   "logging / checkpoints between steps")

@@ -326,14 +326,15 @@ class CheckpointConfig(_Strict):
 class FaultSpec(_Strict):
     """One injected fault (``rlctl inject --fault KIND`` writes the same thing); kinds are fault plugins."""
 
-    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, "
-                      "bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
+    kind: str = Field(description="Registered fault name: nan, oom, verifier-timeout, verifier-error, tool-timeout, "
+                      "tool-error, bad-checkpoint, learner-crash, slow-rollout, slow-learner, worker-crash, "
                       "network-partition, weight-sync-failure (see `rlctl plugins`).")
     at_step: int = Field(0, ge=0, description="First step (0-based) at which the fault fires.")
     count: int = Field(1, ge=1, description="Steps in a row it fires for (e.g. K NaN steps).")
-    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples hit (verifier faults).")
-    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint); "
-                               "default: the kind's own role.")
+    rate: float = Field(1.0, gt=0, le=1, description="Fraction of samples (verifier faults) or of episode tool "
+                        "calls (tool faults) hit.")
+    target: str | None = Field(None, description="Role to hit (learner, rollout, verifier, checkpoint; tool faults: "
+                               "the tool's name as the policy writes it); default: the kind's own role.")
     options: dict[str, Any] = Field(default_factory=dict, description="Validated by the fault plugin.")
 
 

@@ -10,7 +10,11 @@ response_length_mean/max, truncated_frac, clip_fraction, grad_norm, loss,
 nan_inf_skipped_steps, reward_error_count, reward_error_frac, groups_dropped, reward_length_corr, T_r, T_v, T_l, T_s, step_time_s,
 generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
-logprob_mismatch_mean/max, policy_version, rollout_sequences,
+logprob_mismatch_mean/max, policy_version, rollout_sequences, the episode
+names (``episode_metrics``: episode_turns_mean, episode_tool_calls,
+episode_tool_call_rate, episode_tool_error_rate, episode_turn_cap_rate,
+episode_env_tokens, episode_dropped_groups, time_tool_s, time_tool_frac; 0 for
+single-turn samples),
 rollout_prompt/real/computed/prefill_tokens, rollout_padding_waste (the torch
 learner adds learner_real/computed/flop_tokens, learner_padding_waste); and
 in every mode the overlap and
@@ -25,7 +29,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
-from rlctl.contracts.types import TerminalReason, Trajectory
+from rlctl.contracts.types import TerminalReason, Trajectory, Writer
 
 
 def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, float], adv_stats: Mapping[str, float],
@@ -70,6 +74,7 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
     for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
         out[f"verifier_latency_{label}_s"] = _quantile(verify_latencies, q)
     out.update(rollout_tokens([*scored, *dropped]))
+    out.update(episode_metrics([*scored, *dropped], dropped, group_size, step_time))
     out.update({k: float(v) for k, v in times.items()})
     out.update({k: float(v) for k, v in adv_stats.items()})
     out.update({k: float(v) for k, v in learner_stats.items()})
@@ -91,6 +96,51 @@ def rollout_tokens(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             "rollout_real_tokens": float(real), "rollout_computed_tokens": float(computed),
             "rollout_prefill_tokens": float(sum(prompts.values())),
             "rollout_padding_waste": 1.0 - real / computed if computed else 0.0}
+
+
+TOOL_FAILURES = frozenset({"timeout", "error", "garbage"})  # a Turn's tool_status that flags the episode
+
+
+def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajectory] = (), group_size: int = 1,
+                    step_time_s: float = 0.0) -> dict[str, float]:
+    """What the step's episodes did: turns, tool calls and their failures, limits hit, tool time.
+
+    ``trajectories``: every episode generated this step (the dropped ones included); ``dropped``: the
+    trajectories of the groups dropped whole (``group_size`` each). A single-turn sample is one policy turn
+    with no tool call. ``episode_tool_calls`` and ``episode_env_tokens`` are totals over the step;
+    ``episode_tool_error_rate`` = failed calls (tool_status timeout / error / garbage) / calls;
+    ``episode_turn_cap_rate``: episodes that ended at ``max_turns`` or ``max_total_tokens``
+    (TerminalReason.LENGTH of a multi-turn episode); ``episode_dropped_groups``: dropped groups with a failed
+    tool call; ``time_tool_s``: seconds inside tool calls, summed over the episodes (calls that ran
+    concurrently each count), and ``time_tool_frac`` that over ``step_time_s`` (the tool latency share).
+    """
+    calls = failed = env_tokens = with_call = capped = 0
+    turns: list[float] = []
+    tool_s = 0.0
+    for t in trajectories:
+        env = [u for u in t.turns if u.tool is not None]
+        calls += len(env)
+        failed += sum(1 for u in env if u.tool_status in TOOL_FAILURES)
+        with_call += bool(env)
+        tool_s += sum(u.tool_seconds for u in t.turns)
+        env_tokens += sum(u.end - u.start for u in t.turns if u.writer is Writer.ENV)
+        turns.append(float(sum(1 for u in t.turns if u.writer is Writer.POLICY) if t.turns else 1))
+        capped += bool(t.turns) and t.terminal_reason is TerminalReason.LENGTH
+    g = max(group_size, 1)
+    groups = [dropped[i:i + g] for i in range(0, len(dropped), g)]
+    n = len(trajectories)
+    return {"episode_turns_mean": _mean(turns), "episode_tool_calls": float(calls),
+            "episode_tool_call_rate": with_call / n if n else 0.0,
+            "episode_tool_error_rate": failed / calls if calls else 0.0,
+            "episode_turn_cap_rate": capped / n if n else 0.0, "episode_env_tokens": float(env_tokens),
+            "episode_dropped_groups": float(sum(1 for group in groups if any(tool_failed(t) for t in group))),
+            "time_tool_s": tool_s, "time_tool_frac": tool_s / step_time_s if step_time_s > 0 else 0.0}
+
+
+def tool_failed(trajectory: Trajectory) -> bool:
+    """Whether a tool call of the episode timed out, crashed or returned garbage (the episode is flagged)."""
+    return (any(u.tool_status in TOOL_FAILURES for u in trajectory.turns)
+            or (trajectory.reward_error or "").startswith("tool_"))
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -15,7 +15,11 @@ alerts (rlctl.incidents.recovery) add the same note to a wall-clock alert.
 ``EXPLAINED_BY`` is the table of what may explain what, by branch. A cause
 must start strictly before its consequence (onset: the first flagged step).
 It is deliberately short: only pairs where the earlier finding is the usual
-mechanism of the later one.
+mechanism of the later one. ``EXPLAINED_IN_STEP`` lists the few causes that
+act within the same step, so may share the consequence's onset: a failed
+tool call leaves its episode unscored in that very step, which moves the
+grader's ``reward_error_frac`` and ``groups_dropped``; a grader finding whose
+every trigger is on those metrics follows a tool finding starting no later.
 
 What this is not: the trigger semantics (rlctl.incidents.triggers) or the
 tree walk and rendering (rlctl.incidents.diagnose).
@@ -37,6 +41,10 @@ EXPLAINED_BY: dict[str, tuple[str, ...]] = {
     "collapse": ("hacking", "numerics", "grader", "instability"),
     "instability": ("lag",),  # drift from training on stale samples
 }
+# consequence branch -> (cause branch, the consequence's metrics that cause moves in the same step)
+EXPLAINED_IN_STEP: dict[str, tuple[str, frozenset[str]]] = {
+    "grader": ("tools", frozenset({"reward_error_frac", "groups_dropped"})),  # flagged episodes have no reward
+}
 
 # metrics measured in wall-clock time: a busy machine moves them without anything wrong in the engine
 WALL_CLOCK_METRICS = frozenset({"generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s",
@@ -51,16 +59,18 @@ def rank_by_cause(findings: Sequence[Finding]) -> list[Finding]:
     ordered = sorted(findings, key=lambda f: f.score, reverse=True)
     cause_of: dict[int, Finding] = {}
     for f in ordered:
-        causes = [c for c in ordered if c is not f and c.branch in EXPLAINED_BY.get(f.branch, ())
-                  and 0 <= c.onset < f.onset]
+        causes = [c for c in ordered if c is not f and (c.branch in EXPLAINED_BY.get(f.branch, ())
+                  and 0 <= c.onset < f.onset or _in_step(c, f))]
         if causes:
             cause_of[id(f)] = min(causes, key=lambda c: c.onset)
     out: list[Finding] = []
 
     def place(finding: Finding, cause: Finding) -> None:
+        when = ("in the same step" if cause is not None and cause.onset == finding.onset
+                else f"before this one's onset at step {finding.onset}")
         out.append(finding if cause is None else replace(finding, follows=(
-            f"follows {cause.branch}: {cause.title} (from step {cause.onset}, before this one's onset at step "
-            f"{finding.onset}); likely a consequence, fix that first")))
+            f"follows {cause.branch}: {cause.title} (from step {cause.onset}, {when}); likely a consequence, "
+            "fix that first")))
         for g in ordered:
             if cause_of.get(id(g)) is finding:
                 place(g, finding)
@@ -68,6 +78,12 @@ def rank_by_cause(findings: Sequence[Finding]) -> list[Finding]:
     for root in (f for f in ordered if id(f) not in cause_of):
         place(root, None)
     return out
+
+
+def _in_step(cause: Finding, finding: Finding) -> bool:
+    branch, metrics = EXPLAINED_IN_STEP.get(finding.branch, ("", frozenset()))
+    return (cause.branch == branch and 0 <= cause.onset <= finding.onset
+            and all(f.trigger.metric in metrics for f in finding.firings))
 
 
 def account_for_load(finding: Finding, history: History) -> Finding:

@@ -14,7 +14,9 @@ against the machine's recorded load: when the machine was busy they become an
 ``info`` finding that names the load instead of blaming the engine. ``diagnose_run`` reads the
 run from the registry. ``render_html`` / ``render_pngs`` draw the metric
 curves of each finding with the flagged windows shaded (matplotlib, PNGs
-embedded base64 in one self-contained HTML file).
+embedded base64 in one self-contained HTML file); the HTML report ends with
+a few of the run's stored episodes (rlctl.lifecycle.episodes), turn by turn,
+policy and environment tokens in different colours.
 
 What this is not: the trigger semantics (rlctl.incidents.triggers), the runbook
 files (rlctl.incidents.runbooks) or the CLI (rlctl.cli.diagnose).
@@ -207,13 +209,17 @@ def render_pngs(diagnosis: Diagnosis, history: History, directory: Path) -> list
     return out
 
 
-def render_html(diagnosis: Diagnosis, history: History) -> str:
-    """A self-contained HTML report (plots embedded as base64 PNG)."""
+def render_html(diagnosis: Diagnosis, history: History, episodes: Sequence[dict[str, Any]] = ()) -> str:
+    """A self-contained HTML report (plots embedded as base64 PNG); ``episodes``: rlctl.lifecycle.episodes.episode_json
+    dicts shown at the end."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>rlctl diagnose {e(diagnosis.run_id)}</title>",
              "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}h2{margin-top:2em}"
              ".critical{color:#b00}.high{color:#c60}.warning{color:#a80}.info{color:#666}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}</style>",
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}"
+             ".turn{white-space:pre-wrap;font-family:monospace;padding:2px 4px;margin:2px 0}"
+             ".policy{background:#e3f4e3}.env{background:#fff3c4}.failed{background:#f8c9c9}"
+             ".who{font-size:80%;color:#555}</style>",
              f"</head><body><h1>rlctl diagnose {e(diagnosis.run_id)}</h1>",
              f"<p>{diagnosis.steps} recorded steps; {len(diagnosis.findings)} finding(s), most severe first.</p>"]
     if not diagnosis.findings:
@@ -234,5 +240,31 @@ def render_html(diagnosis: Diagnosis, history: History) -> str:
         parts += [f"<tr><td>{e(str(ev['step']))}</td><td>{e(ev['kind'])}</td><td>{e(ev['message'])}</td></tr>"
                   for ev in diagnosis.events]
         parts.append("</table>")
+    if episodes:
+        parts.append("<h2>Episodes</h2><p>A few stored episodes (<code>rlctl episodes RUN</code>): "
+                     "<span class='turn policy'>policy tokens</span> <span class='turn env'>environment tokens"
+                     "</span> <span class='turn failed'>a failed tool call</span></p>")
+        parts += [episode_html(ep) for ep in episodes]
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def episode_html(episode: dict[str, Any]) -> str:
+    """One episode as HTML: a header line and one block per turn, coloured by who wrote it."""
+    e = html.escape
+    reward = "unscored" if episode["reward"] is None else f"{episode['reward']:.3g}"
+    out = [f"<h3>{e(episode['id'])} &middot; step {episode['step']} &middot; {e(episode['status'])} &middot; "
+           f"reward {reward}" + (f" &middot; error {e(episode['reward_error'])}" if episode["reward_error"] else "")
+           + f" &middot; {e(episode['terminal_reason'])}</h3>",
+           f"<div class='who'>prompt</div><div class='turn'>{e(episode['prompt'])}</div>"]
+    for turn in episode["turns"]:
+        if turn["writer"] == "policy":
+            who, css = f"policy v{turn['policy_version']}", "policy"
+        else:
+            tool = f" {turn['tool']} {turn['tool_status']} {turn['tool_seconds']:.3f}s" if turn["tool"] else ""
+            who, css = f"env{tool}", "env" if turn["tool_status"] in (None, "ok") else "failed"
+        if turn["reward"] is not None:
+            who += f", turn reward {turn['reward']:.3g}"
+        out.append(f"<div class='who'>{e(who)}, {turn['end'] - turn['start']} tokens</div>"
+                   f"<div class='turn {css}'>{e(turn['text'])}</div>")
+    return "\n".join(out)

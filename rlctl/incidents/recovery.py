@@ -318,10 +318,10 @@ class RunGuard:
 
 
 def _count(spec: Any) -> int | None:
-    """Steps a fault spans: verifier faults and stragglers by default the whole run, others one step."""
+    """Steps a fault spans: verifier and tool faults and stragglers by default the whole run, others one step."""
     if "count" in spec.model_fields_set:
         return spec.count
-    return None if spec.kind in ("verifier-timeout", "verifier-error") else spec.count
+    return None if spec.kind in ("verifier-timeout", "verifier-error", "tool-timeout", "tool-error") else spec.count
 
 
 class _Event:

@@ -5,7 +5,9 @@ What this is: ``profile_config()`` trains a config for a few steps through
 default) and times every step from outside the loop; ``profile_run()`` reads
 an existing run's per-step metrics from the registry. Both produce a
 ``ProfileReport``: the per-step stage times the loop measures (T_r rollout,
-T_v reward, T_l learner incl. batch building and advantages, T_s weight sync),
+T_v reward, T_l learner incl. batch building and advantages, T_s weight sync;
+and tool time, ``T_tool``: the seconds an episode's environment spent in tool
+calls, part of T_r, shown as its own stage and cut out of T_r's bar),
 the measured wall time of each step and what the stages leave uncovered
 ("other": metric logging, checkpoints), the critical path, pipeline
 utilisation U_pipe = device-busy time (T_r + T_l) / (devices x wall),
@@ -41,6 +43,7 @@ PROFILE_DEFAULTS = ("train.steps=5", "eval.at_end=false", "checkpoint.every_step
 COVERAGE_TOLERANCE = 0.05
 # What the overlapped driver (mode one_step_off / async, or the Ray placement) logs about each side's waiting.
 OVERLAP_METRICS = ("learner_wait_s", "rollout_wait_s", "rollout_latency_p50_s", "staleness_mean")
+TOOL_METRIC = "time_tool_s"  # inside T_r: seconds in tool calls, summed over the step's episodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,12 @@ class StepTimes:
     learned_tokens: float
     effective_tokens: float
     overlap: dict[str, float] = field(default_factory=dict)  # OVERLAP_METRICS of an overlapped run's step
+    tool_s: float = 0.0  # T_tool: seconds in tool calls (part of T_r; summed over episodes, so it may exceed T_r)
+
+    @property
+    def tool_in_rollout_s(self) -> float:
+        """The part of T_r drawn as tool time (T_tool capped at T_r: concurrent calls overlap in wall time)."""
+        return min(self.tool_s, self.stages["T_r"])
 
     @property
     def stage_sum(self) -> float:
@@ -85,6 +94,11 @@ class ProfileReport:
     @property
     def stage_totals(self) -> dict[str, float]:
         return {k: sum(s.stages.get(k, 0.0) for s in self.steps) for k in STAGES}
+
+    @property
+    def tool_total_s(self) -> float:
+        """T_tool over all steps (part of T_r; not added to the stage sum)."""
+        return sum(s.tool_s for s in self.steps)
 
     @property
     def wall_s(self) -> float | None:
@@ -172,7 +186,7 @@ def read_steps(registry: Any, run_id: str, through_queue: bool) -> list[StepTime
     """Each step's stage times and tokens; ``through_queue``: the run took the overlapped driver, whose T_r is the
     learner's wait for a batch (so its tokens/s are per whole step), where the synchronous loop's are per T_r."""
     names = [*STAGES, WALL_METRIC, "generated_tokens_per_s", "learned_tokens_per_s", "effective_tokens_per_s",
-             *OVERLAP_METRICS]
+             *OVERLAP_METRICS, TOOL_METRIC]
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
     for point in registry.metrics(run_id, names=names):
         by_step[point.step][point.name] = point.value
@@ -185,7 +199,8 @@ def read_steps(registry: Any, run_id: str, through_queue: bool) -> list[StepTime
                       generated_tokens=m.get("generated_tokens_per_s", 0.0) * per[step],
                       learned_tokens=m.get("learned_tokens_per_s", 0.0) * m["T_l"],
                       effective_tokens=m.get("effective_tokens_per_s", 0.0) * per[step],
-                      overlap={k: m[k] for k in OVERLAP_METRICS if k in m}) for step, m in rows]
+                      overlap={k: m[k] for k in OVERLAP_METRICS if k in m}, tool_s=m.get(TOOL_METRIC, 0.0))
+            for step, m in rows]
 
 
 def stage_roofline(registry: Any, run_id: str, config: Any, home: Path) -> tuple[tuple[Any, ...], str]:
@@ -232,6 +247,9 @@ def measured_placement(steps: Sequence[StepTimes], mode: str = "sync") -> Placem
     step_s = statistics.fmean(walls)
     other = max(0.0, step_s - sum(st.values()))
     order = " -> ".join(f"{k} {st[k]:.3g}s" for k in STAGES) + (f" -> other {other:.3g}s" if other else "")
+    tool = statistics.fmean(s.tool_s for s in steps)
+    if tool:
+        order = order.replace("T_r ", f"T_r (T_tool {tool:.3g}s of it) ", 1)
     gen = statistics.fmean(s.generated_tokens for s in steps)
     shape = "serial" if mode == "sync" else "rollout overlapped, T_r = learner wait"
     return PlacementProfile(placement="colocate", mode=mode, measured=True, stages=st, step_s=step_s,
@@ -285,7 +303,8 @@ def save_chart(report: ProfileReport, path: Path) -> Path:
 
     plt = pyplot()
 
-    colors = {"T_r": "#4c72b0", "T_v": "#dd8452", "T_l": "#55a868", "T_s": "#c44e52", "other": "#bbbbbb"}
+    colors = {"T_r": "#4c72b0", "T_tool": "#8172b2", "T_v": "#dd8452", "T_l": "#55a868", "T_s": "#c44e52",
+              "other": "#bbbbbb"}
     lanes = _lanes(report)
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.55 * len(lanes)))
     for y, (label, bars) in enumerate(lanes):
@@ -297,7 +316,7 @@ def save_chart(report: ProfileReport, path: Path) -> Path:
     ax.set_title(f"rlctl profile {report.run_id}: stage timeline ('est.' lanes are estimates, not measured)",
                  fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(lanes)),
+    ax.legend(handles, list(colors), ncol=6, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(lanes)),
               frameon=False)
     fig.tight_layout()
     return save_png(fig, path)
@@ -307,7 +326,10 @@ def _lanes(report: ProfileReport) -> list[tuple[str, list[tuple[float, float, st
     bars, t = [], 0.0
     for s in report.steps:
         for k in STAGES:
-            bars.append((t, s.stages[k], k))
+            tool = s.tool_in_rollout_s if k == "T_r" else 0.0  # the rollout's tool calls: a stage of their own
+            bars.append((t, s.stages[k] - tool, k))
+            if tool:
+                bars.append((t + s.stages[k] - tool, tool, "T_tool"))
             t += s.stages[k]
         if s.wall_s is not None and s.wall_s > s.stage_sum:
             bars.append((t, s.wall_s - s.stage_sum, "other"))

@@ -32,7 +32,8 @@ BUILTINS = {
     "metric_sink": ["jsonl", "mlflow", "tensorboard", "wandb"],
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
     "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner", "slow-rollout",
-              "verifier-error", "verifier-timeout", "weight-sync-failure", "worker-crash"],
+              "tool-error", "tool-timeout", "verifier-error", "verifier-timeout", "weight-sync-failure",
+              "worker-crash"],
     "environment": ["tools"],
     "tool": ["calculator", "python"],
 }
@@ -50,8 +51,8 @@ BUILTIN_PLUGINS = {
     "sinks": {"metric sink": ("jsonl", "mlflow", "tensorboard", "wandb")},
     "algos": {"advantage estimator": ("dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo")},
     "faults": {"fault": ("bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner",
-                         "slow-rollout", "verifier-error", "verifier-timeout", "weight-sync-failure",
-                         "worker-crash")},
+                         "slow-rollout", "tool-error", "tool-timeout", "verifier-error", "verifier-timeout",
+                         "weight-sync-failure", "worker-crash")},
 }
 
 

@@ -121,3 +121,19 @@ def test_an_overlapped_run_is_labelled_and_its_waits_explained(registry):
     [note] = report.notes[-1:]
     assert "learner's wait for a batch (mean 0.1s/step)" in note and "waited 0.05s/step" in note
     assert report.steps[0].generated_tokens == pytest.approx(100.0 * 1.02)  # per step, not per T_r
+
+
+def test_tool_time_is_its_own_stage_inside_the_rollout(registry, tmp_path):
+    from rlctl.cli.profile import report_json
+    from rlctl.planning.profile import _lanes
+
+    run = _run(registry, [_step(0, 0.5, 0.1, 1.0, 0.1, wall=1.75), _step(1, 0.4, 0.1, 1.1, 0.1, wall=1.72)])
+    registry.log_metrics(run.id, 0, {"time_tool_s": 0.2})
+    registry.log_metrics(run.id, 1, {"time_tool_s": 0.9})  # concurrent calls: more tool seconds than T_r
+    report = profile_run(run.id, registry=registry, out=tmp_path / "c.png")
+    assert [s.tool_s for s in report.steps] == [0.2, 0.9] and report.tool_total_s == pytest.approx(1.1)
+    assert report.stage_totals["T_r"] == pytest.approx(0.9)  # the stage sum is unchanged: tools run inside T_r
+    assert "T_r (T_tool 0.55s of it)" in report.placements[0].critical_path
+    bars = [(round(w, 6), k) for _, w, k in _lanes(report)[0][1] if k in ("T_r", "T_tool")]
+    assert bars == [(0.3, "T_r"), (0.2, "T_tool"), (0.0, "T_r"), (0.4, "T_tool")]
+    assert report_json(report)["tool_total_s"] == pytest.approx(1.1)
