@@ -85,7 +85,7 @@ class ReinforcePP(_Outcome):
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[Tensor, Mapping[str, float]]:
         return F.reinforce_pp_advantages(inputs.rewards.reshape(-1), inputs.action_mask, inputs.valid.reshape(-1),
-                                         inputs.token_kl, inputs.kl_coef)
+                                         inputs.token_kl, inputs.kl_coef, turn_rewards=inputs.turn_rewards)
 
 
 class _OwnClip(GRPO):
@@ -139,8 +139,9 @@ class DAPO(_OwnClip):
 class PPO(_Outcome):
     """PPO with a critic: per-token rewards (outcome at the end, KL penalty per token), GAE, whitened.
 
-    An episode's environment tokens are not steps: the reward goes on the last policy token and GAE runs
-    over the policy tokens only (rlctl.algo.gae), so the critic's targets are 0 off the action mask.
+    An episode's environment tokens are not steps: each per-turn reward goes on the last policy token before
+    its environment turn, the rest of the return on the last policy token, and GAE runs over the policy tokens
+    only (rlctl.algo.gae), so the critic's targets are 0 off the action mask.
     """
 
     needs_critic = True
@@ -153,7 +154,7 @@ class PPO(_Outcome):
         valid = inputs.valid.reshape(-1)  # [N]
         mask = (inputs.action_mask > 0) & valid.view(-1, 1)  # [N, T]
         rewards = torch.where(valid, inputs.rewards.reshape(-1).float(), torch.zeros(()))  # [N]
-        token_r = F.outcome_token_rewards(rewards, mask, inputs.token_kl, inputs.kl_coef)  # [N, T]
+        token_r = F.outcome_token_rewards(rewards, mask, inputs.token_kl, inputs.kl_coef, inputs.turn_rewards)
         critic = self.algo.critic
         adv, returns = F.gae(token_r, inputs.values, mask, critic.gamma, critic.lam)
         return adv, returns, mask

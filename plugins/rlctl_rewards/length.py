@@ -41,7 +41,7 @@ class LengthPenalty:
     def score(self, trajectory: Trajectory, reference: str) -> RewardResult:
         started = time.perf_counter()
         target, cap = self.options.target_tokens, self.options.max_penalty
-        n = trajectory.num_response_tokens
+        n = trajectory.num_policy_tokens  # an episode: the tokens the policy wrote, not its tools' answers
         span = max(1, trajectory.sampling_config.max_tokens - target)
         value = min(0.0, max(-cap, -cap * max(0, n - target) / span))
         return RewardResult(total=value, components={"length": value}, grader_version=self.version,

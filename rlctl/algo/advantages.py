@@ -174,15 +174,22 @@ def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_kl: Tensor | None = None,
-                          kl_coef: float = 0.0) -> Tensor:
+                          kl_coef: float = 0.0, turn_rewards: Tensor | None = None) -> Tensor:
     """Per-token rewards: the sequence reward on its last masked token, minus ``kl_coef * token_kl`` on every one.
 
     ``rewards`` is ``[N]``, ``mask`` and ``token_kl`` ``[N, T]``. The mask
     marks the policy's tokens, so in a multi-turn episode the reward lands on
     the policy's last token (never on an environment token) and no
-    environment token carries a KL term. This is the
-    reward that PPO's GAE and REINFORCE++'s returns consume; invalid rows are
-    the caller's to mask (pass them with an all-zero mask row).
+    environment token carries a KL term. ``turn_rewards`` ``[N, T]`` are an
+    episode's per-turn rewards at the policy tokens that earned them, already
+    counted in ``rewards`` (the episode return): they stay where they are and
+    the last token gets the rest, so the row still sums to its return. This is
+    the reward that PPO's GAE and REINFORCE++'s returns consume; invalid rows
+    are the caller's to mask (pass them with an all-zero mask row).
+
+    >>> m = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # the turn reward -0.5 was earned by token 1
+    >>> outcome_token_rewards(torch.tensor([0.5]), m, turn_rewards=torch.tensor([[0.0, -0.5, 0.0, 0.0]])).tolist()
+    [[0.0, -0.5, 0.0, 1.0]]
     """
     m = mask.bool()  # [N, T]
     dtype = _compute_dtype(rewards)
@@ -191,7 +198,12 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_kl: Tensor | None
     has = m.any(dim=-1)  # [N]
     last = (m.to(torch.int64) * torch.arange(m.shape[1], device=m.device)).argmax(dim=-1)  # [N]
     rows = torch.arange(m.shape[0], device=m.device)
-    out[rows[has], last[has]] = rewards.to(dtype)[has]
+    final = rewards.to(dtype)
+    if turn_rewards is not None:
+        turns = torch.where(m, turn_rewards.to(dtype), zero)  # [N, T]
+        final = final - turns.sum(dim=-1)
+        out = out + turns
+    out[rows[has], last[has]] += final[has]
     if token_kl is not None and kl_coef:
         out = out - kl_coef * torch.where(m, token_kl.to(dtype), zero)
     return out
@@ -199,14 +211,17 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_kl: Tensor | None
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, valid: Tensor | None = None,
                             token_kl: Tensor | None = None, kl_coef: float = 0.0,
-                            eps: float = 1e-8) -> tuple[Tensor, dict[str, float]]:
+                            eps: float = 1e-8, turn_rewards: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE++: undiscounted token returns with the KL penalty in the reward, whitened over the batch.
 
     ``rewards`` ``[N]`` (one per sequence), ``mask`` ``[N, T]`` response tokens,
     ``valid`` ``[N]`` bool (invalid rows get 0 and stay out of the statistics),
-    ``token_kl`` ``[N, T]`` per-token KL(pi_old || ref) estimates. The return at
+    ``token_kl`` ``[N, T]`` per-token KL(pi_old || ref) estimates, ``turn_rewards``
+    ``[N, T]`` an episode's per-turn rewards (inside ``rewards``; see
+    ``outcome_token_rewards``). The return at
     token t is sum_{t' >= t} (reward_t' - kl_coef * kl_t') over the masked
-    (policy) tokens t' (an episode's environment tokens add nothing); advantages
+    (policy) tokens t' (an episode's environment tokens add nothing), so a
+    turn reward counts for the tokens before it only; advantages
     are the returns normalised by the mean and std over every valid token of
     the batch (a global baseline instead of a critic or a group), 0 elsewhere.
     """
@@ -215,7 +230,7 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, valid: Tensor | None 
     m = mask.bool() & valid.view(-1, 1)  # [N, T]
     zero = torch.zeros((), dtype=_compute_dtype(rewards), device=rewards.device)
     safe = torch.where(valid, rewards.to(zero.dtype), zero)  # invalid rewards may be NaN
-    token_r = outcome_token_rewards(safe, m, token_kl, kl_coef)  # [N, T]
+    token_r = outcome_token_rewards(safe, m, token_kl, kl_coef, turn_rewards)  # [N, T]
     returns = torch.flip(torch.cumsum(torch.flip(token_r, [1]), dim=1), [1])  # [N, T]
     adv = whiten(returns, m, eps)
     picked = returns[m]

@@ -82,7 +82,13 @@ class AdvantageInputs:
     Rows are grouped (the G samples of prompt b are rows b*G .. b*G+G-1).
     ``token_kl`` is the per-token KL(pi_old || ref) estimate when the KL goes
     into the reward (else None; ``kl_coef`` scales it); ``values`` the
-    critic's per-token values when the estimator needs a critic.
+    critic's per-token values when the estimator needs a critic. ``rewards``
+    are episode returns: the grader's reward plus the per-turn rewards of a
+    multi-turn episode (rlctl.engine.batching.episode_return), which
+    ``turn_rewards`` also lays out per token, at the policy token that earned
+    each (None when no episode has one): an estimator that works per token
+    places those there and the rest of the return on the last policy token
+    (rlctl.algo.outcome_token_rewards); an outcome estimator uses ``rewards``.
     """
 
     rewards: Any  # [B, G] float32, NaN allowed where not valid
@@ -91,3 +97,4 @@ class AdvantageInputs:
     token_kl: Any | None = None  # [N, T]
     kl_coef: float = 0.0
     values: Any | None = None  # [N, T]
+    turn_rewards: Any | None = None  # [N, T]: per-turn rewards, already inside ``rewards``

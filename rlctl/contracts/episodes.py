@@ -31,11 +31,19 @@ class Turn:
     A policy turn records the weight version that sampled it (an episode that
     straddles a weight update has several); an environment turn records the
     tool it ran, how that went (``tool_status``: "ok", "timeout", "error",
-    "garbage"; None when no tool ran) and its wall time. ``reward`` is a
-    per-turn reward part the environment gave for that turn (None: none).
+    "garbage"; None when no tool ran), its wall time and ``tool_retries``,
+    the attempts of the same call that failed and were run again before the
+    one recorded (the verifier retry policy): the turn stands for
+    ``1 + tool_retries`` attempts, of which ``tool_retries`` failed (plus the
+    last when its ``tool_status`` is a failure), and ``tool_seconds`` sums
+    all of them. ``reward`` is the per-turn reward part (the sum of
+    ``EnvStep.reward_parts``) the environment gave for that turn: the driver
+    puts it on the policy turn the environment answered (None: none). It is
+    part of the episode's return, never of the grader's ``Trajectory.reward``
+    (rlctl.engine.batching.episode_return).
 
     >>> Turn(start=0, end=5, writer=Writer.POLICY, policy_version=3)
-    Turn(start=0, end=5, writer=<Writer.POLICY: 'policy'>, policy_version=3, reward=None, tool=None, tool_status=None, tool_seconds=0.0)
+    Turn(start=0, end=5, writer=<Writer.POLICY: 'policy'>, policy_version=3, reward=None, tool=None, tool_status=None, tool_seconds=0.0, tool_retries=0)
     """
 
     start: int
@@ -45,7 +53,8 @@ class Turn:
     reward: float | None = None
     tool: str | None = None
     tool_status: str | None = None
-    tool_seconds: float = 0.0
+    tool_seconds: float = 0.0  # every attempt's, retried ones included
+    tool_retries: int = 0  # failed attempts of this call that were run again
 
 
 @dataclass(**_FROZEN)

@@ -199,7 +199,7 @@ class Trajectory:
         )
         if self.turns:  # only episodes hash their turns: single-turn digests stay what they were
             header += (tuple((t.start, t.end, t.writer.value, t.policy_version, t.reward, t.tool, t.tool_status,
-                              t.tool_seconds) for t in self.turns),)
+                              t.tool_seconds, t.tool_retries) for t in self.turns),)
         h = hashlib.sha256(repr(header).encode())
         for ints in (self.prompt_tokens, self.response_tokens, self.action_mask):
             h.update(array("q", ints))
@@ -212,6 +212,13 @@ class Trajectory:
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_tokens)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """The tokens the policy sampled: an episode's policy turns (its environment's tokens are not), else all."""
+        if not self.turns:
+            return len(self.response_tokens)
+        return sum(t.end - t.start for t in self.turns if t.writer is Writer.POLICY)
 
     @property
     def is_episode(self) -> bool:

@@ -123,8 +123,49 @@ def sampled_lengths(trajectories: Sequence[Trajectory]) -> list[int]:
             else traj.num_response_tokens for traj in trajectories]
 
 
+def episode_return(trajectory: Trajectory) -> float | None:
+    """What a sample's advantage is computed from: the grader's reward plus, for an episode, its per-turn rewards.
+
+    ``Trajectory.reward`` is the grader's total on the final answer (or the
+    truncation penalty); the environment's per-turn reward parts live on the
+    turns (``Turn.reward``) and are never part of it, so the sum counts each
+    once. None when the sample is unscored.
+    """
+    if trajectory.reward is None:
+        return None
+    return float(trajectory.reward) + sum(t.reward for t in trajectory.turns if t.reward is not None)
+
+
+def turn_rewards(trajectories: Sequence[Trajectory], width: int) -> Any:
+    """[N, width] per-turn rewards where they were earned, aligned with ``build_batch``'s rows; None when no
+    trajectory has one.
+
+    A turn's reward sits on the last policy token before the turn ends (the
+    policy turn the environment answered: its last token; an environment
+    turn: the policy token before it), or on the first policy token when none
+    comes before. Token-level estimators (GAE, REINFORCE++) place it there and
+    the rest of the episode's return on the last policy token
+    (rlctl.algo.outcome_token_rewards); outcome estimators only see the sum.
+    """
+    import torch
+
+    if not any(u.reward is not None for t in trajectories for u in t.turns):
+        return None
+    out = torch.zeros((len(trajectories), width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        policy = [j for j, m in enumerate(t.action_mask) if m]
+        p = len(t.prompt_tokens)
+        for u in t.turns:
+            if u.reward is None or not policy:
+                continue
+            before = [j for j in policy if j < u.end]
+            out[i, p + (before[-1] if before else policy[0])] += u.reward
+    return out
+
+
 def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[Any, Any]:
-    """[B, G] rewards and validity masks; the rollout keeps a prompt's G samples adjacent."""
+    """[B, G] rewards (each sample's ``episode_return``) and validity masks; the rollout keeps a prompt's G
+    samples adjacent."""
     import torch
 
     if len(trajectories) % group_size:
@@ -135,7 +176,8 @@ def group_rewards(trajectories: Sequence[Trajectory], group_size: int) -> tuple[
         if len(ids) != 1:
             raise ValueError(f"group {g} mixes prompts {sorted(ids)}: the G samples of a prompt must stay together")
     valid = torch.tensor([t.reward_error is None for t in trajectories]).view(b, group_size)
-    rewards = torch.tensor([t.reward if t.reward is not None else float("nan") for t in trajectories],
+    returns = [episode_return(t) for t in trajectories]
+    rewards = torch.tensor([r if r is not None else float("nan") for r in returns],
                            dtype=torch.float32).view(b, group_size)
     return rewards, valid
 

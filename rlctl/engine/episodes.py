@@ -29,7 +29,12 @@ Tool failures: a step whose ``tool_status`` is "timeout", "error" or
 "garbage" is run again (the same step, up to ``retries`` more times, the
 reward config's retries); still failing, the episode ends with that status on
 an (empty) environment turn, and scoring marks it unscored (``reward_error``
-``tool_timeout: ...``), so its whole group is dropped, never scored 0.
+``tool_timeout: ...``), so its whole group is dropped, never scored 0. Every
+attempt is accounted: the environment turn records how many failed attempts
+were run again (``Turn.tool_retries``) and the seconds of all of them
+(``Turn.tool_seconds``), so a failure a retry recovered still counts in
+``episode_tool_error_rate`` and its time in ``time_tool_s``. A step that hangs
+past ``step_timeout_s`` + STEP_GRACE_S counts the seconds it was waited for.
 
 What this is not: an environment (plugins/rlctl_envs) or an engine.
 """
@@ -114,6 +119,7 @@ class _Episode:
     last_reason: TerminalReason = TerminalReason.EOS
     reason: TerminalReason | None = None  # set when the episode is over
     attempts: int = 0  # tries of the pending step
+    retry_seconds: float = 0.0  # tool seconds of the pending step's failed tries
 
     @property
     def remaining(self) -> int:
@@ -245,16 +251,17 @@ class EpisodeDriver:
         finished = []
         for fut, (ep, started) in list(pending.items()):
             if fut.done():
-                finished.append((ep, fut))
+                finished.append((ep, fut, 0.0))
             elif now - started >= limit:  # the environment itself hangs: a timeout, its thread left behind
-                finished.append((ep, None))
+                finished.append((ep, None, now - started))
             else:
                 continue
             del pending[fut]
         ready = []
-        for ep, fut in sorted(finished, key=lambda x: x[0].index):
+        for ep, fut, waited in sorted(finished, key=lambda x: x[0].index):
             if fut is None:
-                step = EnvStep(done=True, tool_status="timeout", info={"error": "the environment step hung"})
+                step = EnvStep(done=True, tool_status="timeout", tool_seconds=waited,
+                               info={"error": "the environment step hung"})
             else:
                 try:
                     step = fut.result()
@@ -268,29 +275,31 @@ class EpisodeDriver:
                   ) -> bool:
         """Apply one environment step; True when the episode wants its next policy turn."""
         if step.tool_status in FAILED_TOOL and ep.attempts <= self.retries:
+            ep.retry_seconds += step.tool_seconds  # accounted on the turn the call finally makes
             last = ep.turns[-1]
             self._submit(ep, ep.tokens[last.start:last.end], pending)  # the same call again
             return False
-        ep.attempts = 0
+        retries, seconds = ep.attempts - 1, ep.retry_seconds + step.tool_seconds
+        ep.attempts, ep.retry_seconds = 0, 0.0
         if step.reward_parts:
             ep.turns[-1] = dataclasses.replace(ep.turns[-1], reward=float(sum(step.reward_parts.values())))
         if step.tool_status in FAILED_TOOL:  # still failing: flagged on an empty environment turn, episode over
             n = len(ep.tokens)
             ep.turns.append(Turn(start=n, end=n, writer=Writer.ENV, tool=step.tool, tool_status=step.tool_status,
-                                 tool_seconds=step.tool_seconds))
+                                 tool_seconds=seconds, tool_retries=retries))
             ep.reason = ep.last_reason
             return False
         obs = list(step.observation)
         if len(obs) > ep.remaining:
             ep.reason = TerminalReason.LENGTH  # the answer does not fit: the episode is over, cut
             return False
-        if obs or step.tool is not None:
+        if obs or step.tool is not None or retries:
             start = len(ep.tokens)
             ep.tokens += obs
             ep.mask += [0] * len(obs)
             ep.logprobs += [0.0] * len(obs)
             ep.turns.append(Turn(start=start, end=len(ep.tokens), writer=Writer.ENV, tool=step.tool,
-                                 tool_status=step.tool_status, tool_seconds=step.tool_seconds))
+                                 tool_status=step.tool_status, tool_seconds=seconds, tool_retries=retries))
         if step.done:
             ep.reason = ep.last_reason
             return False

@@ -30,14 +30,16 @@ class Estimate:
 
 def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, valid: Any, kl_coef: float,
              kl_estimator: str, ref_logprobs: Callable[[TrainBatch], Any],
-             values: Callable[[TrainBatch], Any] | None) -> Estimate:
+             values: Callable[[TrainBatch], Any] | None, turn_rewards: Any = None) -> Estimate:
     """Advantages of one batch: the KL penalty into the reward when ``kl_coef`` > 0, then the estimator.
 
     ``kl_coef`` is the coefficient of KL-in-the-reward (0 when the KL goes into
     the loss, the learner's business); ``ref_logprobs`` the learner's reference
     log-probs; ``values`` the critic's (required when the estimator needs one).
     An estimator that takes per-token rewards gets the per-token KL; the others
-    get the sequence sum subtracted from the reward.
+    get the sequence sum subtracted from the reward. ``rewards`` are episode
+    returns; ``turn_rewards`` ([N, T] or None, rlctl.engine.batching.turn_rewards)
+    the per-turn parts inside them, for estimators that work per token.
     """
     import torch
 
@@ -60,7 +62,7 @@ def estimate(*, estimator: AdvantageEstimator, batch: TrainBatch, rewards: Any, 
             raise ValueError("this estimator needs a critic but none was built")
         v = values(batch)  # [N, T]
     inputs = AdvantageInputs(rewards=rewards, valid=valid, action_mask=batch.action_mask, token_kl=token_kl,
-                             kl_coef=kl_coef if token_kl is not None else 0.0, values=v)
+                             kl_coef=kl_coef if token_kl is not None else 0.0, values=v, turn_rewards=turn_rewards)
     adv, adv_stats = estimator.advantages(inputs)
     stats.update({k: float(x) for k, x in adv_stats.items()})
     targets = estimator.value_targets(inputs) if estimator.needs_critic else None

@@ -36,7 +36,7 @@ class Selection:
     kept: list[Trajectory]  # kept groups, grouped
     rewards: Any  # [B', G] shaped rewards of the kept groups
     valid: Any  # [B', G] bool
-    unscored: list[Trajectory]  # groups with a sample the grader could not score: dropped whole, never scored 0
+    unscored: list[Trajectory]  # groups with an unscored sample (grader, failed tool): dropped whole, never scored 0
     no_signal: list[Trajectory]  # groups the estimator filtered out (DAPO: all rewards equal)
 
 
@@ -149,7 +149,7 @@ def _one_round(s: Sampler, need: int, out: SampledGroups, verify: dict[str, floa
     with s.heartbeat.phase("generate", "rollout"):
         trajectories = s.rollout.generate([s.make_request(p) for p in s.prompts(need)])
     t1 = time.perf_counter()
-    out.generated_tokens += sum(t.num_response_tokens for t in trajectories)
+    out.generated_tokens += sum(t.num_policy_tokens for t in trajectories)
     with s.heartbeat.phase("score", "reward"):
         scored, latencies = score_all(trajectories, s.answers, s.reward, s.truncation_penalty, pool=s.pool)
         retry_reward = s.fresh_reward or (lambda: s.reward)
@@ -177,14 +177,25 @@ def request_encoder(roles: Any, group_size: int) -> Callable[[PromptRecord], Rol
 
 
 def unscorable_batch(unscored: Sequence[Trajectory], verifier_retries: int) -> RoleError:
-    """The error that stops a run when every group of a step was dropped for a sample the grader could not score.
+    """The error that stops a run when every group of a step was dropped for a sample that could not be scored.
 
-    One message for every mode, naming the most common error codes.
+    One message for every mode, counting the samples by cause (a tool call that failed for good, an engine
+    abort, the grader) with the most common error codes of each, and pointing at the runbook of the first.
     """
-    codes: dict[str, int] = {}
+    causes: dict[str, dict[str, int]] = {"tool": {}, "abort": {}, "grader": {}}
     for t in unscored:
         if t.reward_error is not None:
-            codes[t.reward_error] = codes.get(t.reward_error, 0) + 1
-    shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
-    return RoleError(f"every group had a sample the grader could not score after {verifier_retries} retries "
-                     f"with a fresh grader ({shown}; none scored 0)", "see `rlctl runbook show verifier-timeouts`")
+            cause = ("tool" if t.reward_error.startswith("tool_") else "abort" if t.reward_error == "aborted"
+                     else "grader")
+            causes[cause][t.reward_error] = causes[cause].get(t.reward_error, 0) + 1
+    what = {"tool": f"whose tool call failed after {verifier_retries} retries",
+            "abort": "the rollout engine aborted",
+            "grader": f"the grader could not score after {verifier_retries} retries with a fresh grader"}
+    parts = []
+    for cause, codes in causes.items():
+        if codes:
+            shown = ", ".join(f"{n} x {code}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])[:3])
+            parts.append(f"{sum(codes.values())} sample(s) {what[cause]} ({shown})")
+    book = "tool-failures" if causes["tool"] else "verifier-timeouts"
+    return RoleError(f"every group was dropped whole for samples that could not be scored: {'; '.join(parts)} "
+                     "(none scored 0)", f"see `rlctl runbook show {book}`")

@@ -12,9 +12,11 @@ generated_tokens_per_s, learned_tokens_per_s, esr, effective_tokens_per_s,
 verifier_latency_p50/p95/p99_s, staleness_mean/max, frac_zero_std,
 logprob_mismatch_mean/max, policy_version, rollout_sequences, the episode
 names (``episode_metrics``: episode_turns_mean, episode_tool_calls,
-episode_tool_call_rate, episode_tool_error_rate, episode_turn_cap_rate,
-episode_env_tokens, episode_dropped_groups, time_tool_s, time_tool_frac; 0 for
-single-turn samples),
+episode_tool_retries, episode_tool_call_rate, episode_tool_error_rate,
+episode_turn_cap_rate, episode_env_tokens, episode_turn_reward,
+episode_dropped_groups, time_tool_s, time_tool_frac; 0 for single-turn
+samples); the length and token-rate names count the policy's tokens
+(an episode's environment tokens are episode_env_tokens),
 rollout_prompt/real/computed/prefill_tokens, rollout_padding_waste (the torch
 learner adds learner_real/computed/flop_tokens, learner_padding_waste); and
 in every mode the overlap and
@@ -43,8 +45,8 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
     base = learner_version - 1 if trained_version is None else trained_version
     ok = [t for t in scored if t.reward_error is None]
     rewards = [float(t.reward) for t in ok if t.reward is not None]
-    lengths = [t.num_response_tokens for t in scored]
-    generated = sum(lengths) + sum(t.num_response_tokens for t in dropped)
+    lengths = [t.num_policy_tokens for t in scored]  # an episode's environment tokens: episode_env_tokens
+    generated = sum(lengths) + sum(t.num_policy_tokens for t in dropped)
     num_generated = len(scored) + len(dropped)
     informative = (advantages.flatten() != 0).tolist()
     learned = sum(n for n, keep in zip(lengths, informative) if keep)
@@ -68,7 +70,7 @@ def step_metrics(*, scored: Sequence[Trajectory], learner_stats: Mapping[str, fl
         "staleness_max": float(max((base - t.policy_version for t in scored), default=0)),
     }
     out["effective_tokens_per_s"] = out["generated_tokens_per_s"] * out["esr"]
-    out["reward_length_corr"] = _corr(rewards, [t.num_response_tokens for t in ok if t.reward is not None])
+    out["reward_length_corr"] = _corr(rewards, [t.num_policy_tokens for t in ok if t.reward is not None])
     for name in sorted({k for t in ok for k in t.reward_components}):
         out[f"reward/{name}"] = _mean([t.reward_components.get(name, 0.0) for t in ok])
     for q, label in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
@@ -87,14 +89,18 @@ def rollout_tokens(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     A batched decode runs every row until the longest response ends, so it computes about rows x longest
     response tokens for the real (generated) ones: an upper bound where an engine compacts finished rows
     (the local engine does once a quarter of the batch has finished). Prefill: each distinct prompt once.
+    Episodes: real and computed count the policy's (decoded) tokens only; the environment's tokens are
+    prefilled, never decoded, so they count in the prefill (once each: an engine without a prefix cache
+    prefills an episode's context again every turn, which is not counted).
     """
-    real = sum(t.num_response_tokens for t in trajectories)
-    computed = len(trajectories) * max((t.num_response_tokens for t in trajectories), default=0)
+    real = sum(t.num_policy_tokens for t in trajectories)
+    computed = len(trajectories) * max((t.num_policy_tokens for t in trajectories), default=0)
     prompts = {t.prompt_id: len(t.prompt_tokens) for t in trajectories}
+    env = sum(t.num_response_tokens - t.num_policy_tokens for t in trajectories)
     return {"rollout_sequences": float(len(trajectories)),
             "rollout_prompt_tokens": float(sum(len(t.prompt_tokens) for t in trajectories)),
             "rollout_real_tokens": float(real), "rollout_computed_tokens": float(computed),
-            "rollout_prefill_tokens": float(sum(prompts.values())),
+            "rollout_prefill_tokens": float(sum(prompts.values()) + env),
             "rollout_padding_waste": 1.0 - real / computed if computed else 0.0}
 
 
@@ -107,20 +113,28 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
 
     ``trajectories``: every episode generated this step (the dropped ones included); ``dropped``: the
     trajectories of the groups dropped whole (``group_size`` each). A single-turn sample is one policy turn
-    with no tool call. ``episode_tool_calls`` and ``episode_env_tokens`` are totals over the step;
-    ``episode_tool_error_rate`` = failed calls (tool_status timeout / error / garbage) / calls;
+    with no tool call. A call is an environment turn that ran a tool (or whose step failed: a crashed or hung
+    environment); it stands for ``1 + tool_retries`` attempts (Turn.tool_retries: failed attempts the
+    driver ran again). ``episode_tool_calls``, ``episode_tool_retries`` and ``episode_env_tokens`` are totals
+    over the step; ``episode_tool_error_rate`` = failed attempts (tool_status timeout / error / garbage, the
+    retried ones included: a failure a retry recovered counts) / attempts;
     ``episode_turn_cap_rate``: episodes that ended at ``max_turns`` or ``max_total_tokens``
     (TerminalReason.LENGTH of a multi-turn episode); ``episode_dropped_groups``: dropped groups with a failed
-    tool call; ``time_tool_s``: seconds inside tool calls, summed over the episodes (calls that ran
-    concurrently each count), and ``time_tool_frac`` that over ``step_time_s`` (the tool latency share).
+    tool call; ``time_tool_s``: seconds inside tool calls, every attempt's, summed over the episodes (calls
+    that ran concurrently each count), and ``time_tool_frac`` that over ``step_time_s`` (the tool latency
+    share); ``episode_turn_reward``: the mean over episodes of their per-turn rewards' sum (Turn.reward, the
+    part of an episode's return the grader's ``reward_mean`` leaves out).
     """
-    calls = failed = env_tokens = with_call = capped = 0
+    calls = attempts = failed = retries = env_tokens = with_call = capped = 0
     turns: list[float] = []
-    tool_s = 0.0
+    tool_s = turn_reward = 0.0
     for t in trajectories:
-        env = [u for u in t.turns if u.tool is not None]
+        env = [u for u in t.turns if u.tool is not None or u.tool_status in TOOL_FAILURES]
         calls += len(env)
-        failed += sum(1 for u in env if u.tool_status in TOOL_FAILURES)
+        retries += sum(u.tool_retries for u in env)
+        attempts += sum(1 + u.tool_retries for u in env)
+        failed += sum(u.tool_retries + (u.tool_status in TOOL_FAILURES) for u in env)
+        turn_reward += sum(u.reward for u in t.turns if u.reward is not None)
         with_call += bool(env)
         tool_s += sum(u.tool_seconds for u in t.turns)
         env_tokens += sum(u.end - u.start for u in t.turns if u.writer is Writer.ENV)
@@ -130,8 +144,9 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
     groups = [dropped[i:i + g] for i in range(0, len(dropped), g)]
     n = len(trajectories)
     return {"episode_turns_mean": _mean(turns), "episode_tool_calls": float(calls),
+            "episode_tool_retries": float(retries), "episode_turn_reward": turn_reward / n if n else 0.0,
             "episode_tool_call_rate": with_call / n if n else 0.0,
-            "episode_tool_error_rate": failed / calls if calls else 0.0,
+            "episode_tool_error_rate": failed / attempts if attempts else 0.0,
             "episode_turn_cap_rate": capped / n if n else 0.0, "episode_env_tokens": float(env_tokens),
             "episode_dropped_groups": float(sum(1 for group in groups if any(tool_failed(t) for t in group))),
             "time_tool_s": tool_s, "time_tool_frac": tool_s / step_time_s if step_time_s > 0 else 0.0}

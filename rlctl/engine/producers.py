@@ -288,7 +288,7 @@ class Producers:
                   for i, key in enumerate(keys)]
         self.queue.put_many(groups)
         with self.counters.lock:
-            self.counters.generated_tokens += sum(t.num_response_tokens for t in trajectories)
+            self.counters.generated_tokens += sum(t.num_policy_tokens for t in trajectories)
             self.counters.latencies.extend([latency] * len(keys))
 
     def _score(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:

@@ -101,7 +101,7 @@ class Group:
 
     @property
     def num_tokens(self) -> int:
-        return sum(t.num_response_tokens for t in self.trajectories)
+        return sum(t.num_policy_tokens for t in self.trajectories)  # generated: an episode's policy tokens
 
     def to_payload(self) -> bytes:
         body = {"group": self.group_id, "key": self.key, "put_at": self.put_at,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from rlctl.contracts.roles import CapturingLearner
-from rlctl.engine.batching import build_batch
+from rlctl.engine.batching import build_batch, turn_rewards
 from rlctl.engine.estimation import estimate
 from rlctl.engine.groups import Selection
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
@@ -114,7 +114,8 @@ def _update(inputs: StepInput, roles: Roles, spec: LoopSpec, step: int,
     batch, weight = _reweighted(batch, prox, inputs.reweighted, spec)
     est = estimate(estimator=roles.estimator, batch=batch, rewards=sel.rewards, valid=sel.valid,
                    kl_coef=spec.kl_coef if spec.kl_placement == "reward" else 0.0, kl_estimator=spec.kl_estimator,
-                   ref_logprobs=learner.ref_logprobs, values=roles.critic.values if roles.critic is not None else None)
+                   ref_logprobs=learner.ref_logprobs, values=roles.critic.values if roles.critic is not None else None,
+                   turn_rewards=turn_rewards(sel.kept, batch.action_mask.shape[1]))
     advantages = est.advantages.float() * weight  # [N, T]
     batch = replace(batch, advantages=advantages)
     learner_stats: dict[str, float] = {}

@@ -39,7 +39,7 @@ from rlctl.contracts.errors import RlctlError, RoleError
 from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.roles import ResumePoint
-from rlctl.incidents.causes import WALL_CLOCK_METRICS, machine_busy
+from rlctl.incidents.causes import EXPLAINED_IN_STEP, WALL_CLOCK_METRICS, machine_busy
 from rlctl.incidents.triggers import History
 from rlctl.incidents.watchdog import HangError, Watchdog
 
@@ -168,11 +168,17 @@ class RunGuard:
             self.registry.add_event(self.run_id, kind, message, data)
             recorded.append(_Event(kind, message, data))
         m = metrics or {}
+        tools = int(min(m.get("episode_dropped_groups", 0), m.get("groups_dropped", 0)))  # by cause
+        retries = self.config.verifier_retries
+        causes = [f"{tools} with an episode whose tool call failed after {retries} retries"] if tools else []
+        if m.get("groups_dropped", 0) > tools:
+            causes.append(f"{int(m['groups_dropped']) - tools} with a sample the grader could not score after "
+                          f"{retries} retries")
         for kind, counter, message, data in (
             ("groups_dropped", "groups_dropped",
-             "dropped {groups_dropped} whole group(s) with a sample the grader could not score after "
-             f"{self.config.verifier_retries} retries (not scored 0, not trained)",
-             {"groups_dropped": "groups_dropped", "verifier_retries": "verifier_retries"}),
+             "dropped {groups_dropped} whole group(s): " + "; ".join(causes) + " (not scored 0, not trained)",
+             {"groups_dropped": "groups_dropped", "tool_groups": "episode_dropped_groups",
+              "verifier_retries": "verifier_retries"}),
             ("verifier_retry", "verifier_retries",
              "{retries} grader retries with a fresh grader, {recovered} sample(s) recovered",
              {"retries": "verifier_retries", "recovered": "verifier_recovered"}),
@@ -358,18 +364,22 @@ class _Alerts:
             self.series[name] = kept + [(step, float(value))]
         self.events = (self.events + [e for e in events])[-ALERT_WINDOW:]
         history = History(metrics=self.series, events=[e for e in self.events if (e.data or {}).get("step") == step])
-        for book in self.books:
-            for trigger in book.triggers:
-                firing = evaluate(trigger, history)
-                if firing is None or firing.last_step != step:
-                    continue
-                key = (book.name, trigger.id)
-                last, self.last_fired[key] = self.last_fired.get(key), step
-                if last is not None and 0 < step - last <= REALERT_AFTER:
-                    continue  # the same episode
-                message = f"[{trigger.severity}] {trigger.summary} ({firing.detail}); runbook {book.name}"
-                if trigger.metric in WALL_CLOCK_METRICS and (busy := machine_busy(firing, history)):
-                    message += f"; {busy}"  # a busy machine, not the engine (rlctl.incidents.causes)
-                self.warn(f"ALERT {message}")
-                self.registry.add_event(self.run_id, "alert", message, {
-                    "step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity})
+        fired = [(book, trigger, firing) for book in self.books for trigger in book.triggers
+                 if (firing := evaluate(trigger, history)) is not None and firing.last_step == step]
+        firing_books = {book.branch_of(trigger): book.name for book, trigger, _ in fired}
+        for book, trigger, firing in fired:
+            key = (book.name, trigger.id)
+            last, self.last_fired[key] = self.last_fired.get(key), step
+            if last is not None and 0 < step - last <= REALERT_AFTER:
+                continue  # the same episode
+            message = f"[{trigger.severity}] {trigger.summary} ({firing.detail}); runbook {book.name}"
+            data = {"step": step, "runbook": book.name, "trigger": trigger.id, "severity": trigger.severity}
+            if trigger.metric in WALL_CLOCK_METRICS and (busy := machine_busy(firing, history)):
+                message += f"; {busy}"  # a busy machine, not the engine (rlctl.incidents.causes)
+            cause, moved = EXPLAINED_IN_STEP.get(book.branch_of(trigger), ("", frozenset()))
+            if trigger.metric in moved and cause in firing_books:  # as `rlctl diagnose` ranks it
+                message += (f"; follows {firing_books[cause]}, firing at this step (its failures leave samples "
+                            "unscored in the same step): likely a consequence, fix that first")
+                data["follows"] = firing_books[cause]
+            self.warn(f"ALERT {message}")
+            self.registry.add_event(self.run_id, "alert", message, data)

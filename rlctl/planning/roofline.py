@@ -123,14 +123,16 @@ def roofline_rows(shape: ModelShape, per_step: Sequence[Mapping[str, float]], pe
 
     Useful FLOPs: rollout, forward FLOPs of each distinct prompt's prefill and each generated token; learner,
     of each real token per forward (3 for a forward with backward). The attention term uses the mean attended
-    context, half a mean (prompt + response) sequence.
+    context, half a mean (prompt + response) sequence. Episodes: the rollout's real tokens are the policy's
+    (decoded); the environment's are in its prefill and in the context (rlctl.engine.metrics.rollout_tokens).
     """
     rows = [m for m in per_step if all(k in m for k in (*ROLLOUT_METRICS, *LEARNER_METRICS, "T_r", "T_l"))]
     if not rows:
         return []
     total = lambda k: sum(m[k] for m in rows)  # noqa: E731
     seqs = total("rollout_sequences")
-    ctx = (total("rollout_prompt_tokens") + total("rollout_real_tokens")) / seqs / 2.0 if seqs else 0.0
+    env = sum(m.get("episode_env_tokens", 0.0) for m in rows)  # an episode's context holds its tools' answers
+    ctx = (total("rollout_prompt_tokens") + total("rollout_real_tokens") + env) / seqs / 2.0 if seqs else 0.0
     fpt = forward_flops_per_token(shape, ctx)
     out = []
     for stage, secs, flops, real, computed in (

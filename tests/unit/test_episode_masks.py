@@ -26,8 +26,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from rlctl.algo import aggregate, entropy_from_logits, gae, kl_penalty_loss, ppo_clip_loss, token_logprobs
+from rlctl.contracts.batch import AdvantageInputs
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory, Turn, Writer
 from rlctl.engine.batching import build_batch, sampled_lengths
 from rlctl.engine.estimation import estimate
@@ -434,3 +436,95 @@ def test_a_training_step_on_episode_groups_measures_and_trains_only_policy_token
     assert m["reweighted_groups"] == 1.0 and math.isfinite(m["loss"]) and math.isfinite(m["entropy"])
     assert m["dlag_p99"] < 1e-4 and m["logprob_mismatch_max"] < 1e-4
     assert outcome.samples[:4] == tuple(eps[:4])
+
+
+# -- per-turn rewards: the episode return, and where GAE puts them ----------------------------------------------
+
+def _with_turn_rewards(t: Trajectory, rewards: dict[int, float]) -> Trajectory:
+    """``t`` with ``rewards[k]`` on its k-th turn."""
+    return t.updated(turns=tuple(replace(u, reward=rewards.get(k)) for k, u in enumerate(t.turns)))
+
+
+def test_outcome_estimators_learn_from_the_episode_return_counted_once(session, plugins):
+    """An episode's return is the grader's reward plus its turn rewards (never inside the grader's total): the
+    [B, G] rewards every outcome estimator sees. GRPO's advantages follow the returns, not the grader alone."""
+    from rlctl.engine.batching import episode_return, group_rewards
+    from rlctl.engine.groups import select_groups
+    from rlctl.placement.build import build_estimator
+
+    eps = episodes(session)
+    eps[0] = _with_turn_rewards(eps[0], {0: -0.25})  # P E P: the first policy turn earned -0.25
+    eps[1] = _with_turn_rewards(eps[1], {0: 0.5, 2: -1.0})
+    assert [episode_return(t) for t in eps[:4]] == [0.75, -0.5, 1.0, 0.0]
+    assert episode_return(eps[0].updated(reward=None)) is None  # unscored stays unscored
+    rewards, valid = group_rewards(eps, 4)
+    assert rewards[0].tolist() == [0.75, -0.5, 1.0, 0.0] and rewards[1].tolist() == REWARDS[1].tolist()
+    cfg = session.config.model_copy(deep=True)
+    cfg.algo = cfg.algo.model_copy(update={"name": "rloo"})
+    sel = select_groups(eps, build_estimator(cfg, plugins), 4, 6)
+    adv, _ = build_estimator(cfg, plugins).advantages(AdvantageInputs(
+        rewards=sel.rewards, valid=sel.valid, action_mask=torch.ones(8, 1)))
+    # RLOO by hand on the returns of group 0: r_i - mean of the other three
+    want = [0.75 - (-0.5 + 1.0 + 0.0) / 3, -0.5 - (0.75 + 1.0) / 3, 1.0 - (0.75 - 0.5) / 3, 0.0 - 1.25 / 3]
+    torch.testing.assert_close(adv[:4, 0], torch.tensor(want), rtol=0, atol=1e-6)
+
+
+def test_turn_rewards_sit_on_the_last_policy_token_before_their_environment_turn(session):
+    from rlctl.engine.batching import turn_rewards
+
+    eps = episodes(session)
+    assert turn_rewards(eps, 30) is None  # no turn rewards: nothing changes for the estimators
+    eps[0] = _with_turn_rewards(eps[0], {0: -0.25, 1: 0.125})  # P(3) E(4) P(2): on the policy turn / the env turn
+    eps[5] = _with_turn_rewards(eps[5], {0: 2.0, 1: 0.5})  # E(2) P(1) E(5) P(3): before any policy token / P(1)
+    out = turn_rewards(eps, 30)
+    p0, p5 = len(eps[0].prompt_tokens), len(eps[5].prompt_tokens)
+    assert out[0, p0 + 2] == -0.25 + 0.125 and int((out[0] != 0).sum()) == 1  # both on token 2, the end of P(3)
+    assert out[5, p5 + 2] == 2.0 + 0.5 and int((out[5] != 0).sum()) == 1  # the first policy token, then P(1)'s
+    assert float(out.abs().sum()) == pytest.approx(0.125 + 2.5) and int((out != 0).sum()) == 2
+
+
+def test_gae_puts_a_turn_reward_on_its_turn_and_the_rest_of_the_return_at_the_end():
+    """MASK's episode: a 2-token policy turn that earned -0.5 (the environment answered it), a 2-token
+    environment turn, a 1-token policy turn; the grader gave 1.0, so the return is 0.5."""
+    from rlctl.algo import outcome_token_rewards
+
+    turn = torch.tensor([[0.0, 0.0, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0]])
+    token_r = outcome_token_rewards(torch.tensor([0.5]), MASK, turn_rewards=turn)
+    assert token_r.tolist() == [[0.0, 0.0, 0.0, -0.5, 0.0, 0.0, 1.0, 0.0]] and float(token_r.sum()) == 0.5
+    values = torch.tensor([[5.0, 5.0, 0.2, 0.4, 7.0, 7.0, 0.6, 5.0]])
+    adv, returns = gae(token_r, values, MASK, gamma=0.9, lam=0.5)
+    # t=6: 1 - 0.6 = 0.4; t=3: -0.5 + 0.9 * 0.6 - 0.4 = -0.36, + 0.45 * 0.4 -> -0.18;
+    # t=2: 0.9 * 0.4 - 0.2 = 0.16, + 0.45 * -0.18 -> 0.079
+    want = torch.tensor([[0.0, 0.0, 0.079, -0.18, 0.0, 0.0, 0.4, 0.0]])
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(returns, torch.where(MASK > 0, want + values, 0.0), rtol=0, atol=1e-6)
+    # the PPO estimator does the same from AdvantageInputs (the return as the reward, the turn rewards apart)
+    from types import SimpleNamespace
+
+    from rlctl_algos.estimators import PPO
+
+    ppo = PPO(SimpleNamespace(critic=SimpleNamespace(gamma=0.9, lam=0.5)))
+    inputs = AdvantageInputs(rewards=torch.tensor([[0.5]]), valid=torch.ones(1, 1, dtype=torch.bool),
+                             action_mask=MASK, values=values, turn_rewards=turn)
+    torch.testing.assert_close(ppo.value_targets(inputs), returns, rtol=0, atol=1e-6)
+    # REINFORCE++: the turn reward is in the returns of the tokens before it only (t=6 sees 1.0, t=2,3 see 0.5)
+    from rlctl.algo import reinforce_pp_advantages
+
+    _, stats = reinforce_pp_advantages(torch.tensor([0.5, 0.5]), MASK.repeat(2, 1),
+                                       turn_rewards=torch.cat([turn, torch.zeros_like(turn)]))
+    assert stats["return_mean"] == pytest.approx((0.5 + 0.5 + 1.0 + 3 * 0.5) / 6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.floats(-2, 2, width=32), st.booleans()), min_size=1, max_size=12),
+       st.floats(-3, 3, width=32))
+def test_token_rewards_always_sum_to_the_return_and_stay_on_policy_tokens(cells, ret):
+    """Whatever the layout, a row's token rewards sum to its return: nothing counted twice, nothing lost."""
+    from rlctl.algo import outcome_token_rewards
+
+    mask = torch.tensor([[float(m) for m, _, _ in cells]])
+    turn = torch.tensor([[r if m and has else 0.0 for m, r, has in cells]])
+    out = outcome_token_rewards(torch.tensor([ret]), mask, turn_rewards=turn)
+    if mask.any():
+        assert float(out.sum()) == pytest.approx(ret, abs=1e-5)
+    assert float(out[mask == 0].abs().sum()) == 0.0

@@ -150,6 +150,95 @@ def test_every_step_metric_dict_carries_the_episode_names() -> None:
             "episode_turn_cap_rate", "episode_env_tokens"} <= set(out)
 
 
+def test_retried_attempts_count_in_the_error_rate_retries_and_tool_time() -> None:
+    """A call that failed once and then answered is 2 attempts with 1 failure; its first try's seconds count."""
+    def episode(index: int, status: str, retries: int, seconds: float, **scored) -> Trajectory:
+        t = _episode("a", index, **scored)
+        turns = list(t.turns)
+        turns[1] = Turn(start=3, end=5, writer=Writer.ENV, tool="calculator", tool_status=status,
+                        tool_seconds=seconds, tool_retries=retries)
+        return t.updated(turns=tuple(turns))
+
+    eps = [episode(0, "ok", 1, 1.5, reward=1.0), episode(1, "ok", 0, 0.5, reward=0.0),
+           episode(2, "timeout", 2, 3.0, reward_error="tool_timeout: calculator")]
+    m = episode_metrics(eps)
+    assert m["episode_tool_calls"] == 3 and m["episode_tool_retries"] == 3
+    assert m["episode_tool_error_rate"] == pytest.approx((1 + 0 + 3) / (2 + 1 + 3))
+    assert m["time_tool_s"] == pytest.approx(5.0)
+    # without the retries the same step would have looked clean but for the final failure: 1 of 3 calls
+    assert episode_metrics([eps[1]])["episode_tool_error_rate"] == 0.0
+    # an environment step that crashed (no tool named) is a failed attempt too
+    crashed = _episode("b", 0).updated(turns=(Turn(start=0, end=7, writer=Writer.POLICY, policy_version=1),
+                                              Turn(start=7, end=7, writer=Writer.ENV, tool_status="error")))
+    assert episode_metrics([crashed])["episode_tool_error_rate"] == 1.0
+
+
+def test_length_and_token_rate_metrics_count_the_policys_tokens() -> None:
+    """An episode of 5 policy tokens and 2 environment tokens is 5 tokens long for the rollout metrics."""
+    import torch
+
+    from rlctl.engine.metrics import rollout_tokens, step_metrics
+
+    eps = [_episode("a", 0, reward=1.0), _episode("a", 1, reward=0.0)]
+    assert [t.num_policy_tokens for t in eps] == [5, 5] and eps[0].num_response_tokens == 7
+    single = traj("c", 0, response=(3, 4, 5), reward=1.0)
+    assert single.num_policy_tokens == 3
+    out = step_metrics(scored=eps, learner_stats={}, adv_stats={}, advantages=torch.ones(2), verify_latencies=[],
+                       learner_version=1, times={"T_r": 2.0, "T_v": 0.0, "T_l": 1.0, "T_s": 1.0}, group_size=2)
+    assert out["response_length_mean"] == 5 and out["response_length_max"] == 5
+    assert out["generated_tokens_per_s"] == 10 / 2.0 and out["learned_tokens_per_s"] == 10 / 1.0
+    assert out["episode_env_tokens"] == 4
+    tokens = rollout_tokens([*eps, single])
+    assert tokens["rollout_real_tokens"] == 13 and tokens["rollout_computed_tokens"] == 3 * 5
+    assert tokens["rollout_padding_waste"] == pytest.approx(1 - 13 / 15)
+    assert tokens["rollout_prefill_tokens"] == 2 + 2 + 4  # prompts a and c once each, the 4 environment tokens
+
+
+def test_per_turn_rewards_are_reported_apart_from_the_graders_reward() -> None:
+    t = _episode("a", 0, reward=1.0)
+    turns = list(t.turns)
+    turns[0] = Turn(start=0, end=3, writer=Writer.POLICY, policy_version=1, reward=-0.25)
+    m = episode_metrics([t.updated(turns=tuple(turns)), _episode("a", 1, reward=0.0)])
+    assert m["episode_turn_reward"] == pytest.approx(-0.125)
+
+
+def test_a_live_grader_alert_caused_by_tool_failures_says_it_follows_them() -> None:
+    from types import SimpleNamespace
+
+    from rlctl.incidents.recovery import _Alerts
+
+    def run(tool_groups: int) -> tuple[list[str], list[dict]]:
+        warnings, events = [], []
+        registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: events.append(data))
+        alerts = _Alerts(registry, "r", warnings.append, start_step=0)
+        alerts.books = [b for b in load_runbooks(REPO / "runbooks") if b.name in ("tool-failures", "verifier-timeouts")]
+        for step in range(3):
+            alerts.observe(step, {"episode_dropped_groups": tool_groups, "groups_dropped": 1,
+                                  "episode_tool_error_rate": 0.0, "reward_error_frac": 0.05,
+                                  "verifier_fail_frac": 0.0}, [])
+        return warnings, events
+
+    warnings, events = run(tool_groups=1)
+    grader = next(w for w in warnings if "runbook verifier-timeouts" in w)
+    assert "follows tool-failures" in grader and "likely a consequence" in grader
+    assert any(e.get("follows") == "tool-failures" for e in events)
+    assert not any("follows" in w for w in warnings if "runbook tool-failures" in w)
+    warnings, events = run(tool_groups=0)  # the grader's own drops: no tool trigger fires, nothing follows
+    assert any("runbook verifier-timeouts" in w for w in warnings) and not any("follows" in w for w in warnings)
+
+
+def test_a_step_with_every_group_dropped_names_the_causes() -> None:
+    from rlctl.engine.groups import unscorable_batch
+
+    err = unscorable_batch([traj("a", 0, reward_error="tool_timeout: calc failed after retries"),
+                            traj("a", 1, reward_error="tool_timeout: calc failed after retries"),
+                            traj("b", 0, reward_error="timeout"), traj("b", 1, reward=1.0)], verifier_retries=1)
+    assert "2 sample(s) whose tool call failed after 1 retries (2 x tool_timeout" in err.message
+    assert "1 sample(s) the grader could not score" in err.message and "tool-failures" in err.hint
+    err = unscorable_batch([traj("b", 0, reward_error="timeout")], verifier_retries=0)
+    assert "tool" not in err.message and "verifier-timeouts" in err.hint
+
+
 def _history(steps: int, **series) -> History:
     return History(metrics={k: [(s, float(v[s] if isinstance(v, list) else v)) for s in range(steps)]
                             for k, v in series.items()}, events=[])

@@ -31,13 +31,14 @@ class EchoEnv:
 
     def __init__(self, tokenizer, obs: str = ";", limits: EpisodeLimits | None = None, slow: str | None = None,
                  slow_s: float = 0.0, failing: dict | None = None, done_after: bool = False, obs_ids=None,
-                 answer_eos: bool = False) -> None:
+                 answer_eos: bool = False, reward_parts: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.obs = tuple(obs_ids) if obs_ids is not None else tuple(tokenizer.encode(obs, add_special_tokens=False))
         self.stop = tuple("0123456789-")
         self.limits = limits or EpisodeLimits(max_turns=3, max_total_tokens=24, step_timeout_s=5.0)
         self.slow, self.slow_s, self.failing, self.done_after = slow, slow_s, dict(failing or {}), done_after
         self.answer_eos = answer_eos
+        self.reward_parts = dict(reward_parts or {})  # per-turn reward parts of every answered call
         self.log: list[tuple[str, int, float, float]] = []  # (prompt, step number, started, ended)
         self.lock = threading.Lock()
 
@@ -59,11 +60,11 @@ class EchoEpisode:
         with env.lock:
             if env.failing.get(self.prompt_id, 0) > 0:
                 env.failing[self.prompt_id] -= 1
-                return EnvStep(done=True, tool="echo", tool_status="timeout")
+                return EnvStep(done=True, tool="echo", tool_status="timeout", tool_seconds=0.25)
             self.steps += 1
             env.log.append((self.prompt_id, self.steps, started, time.monotonic()))
         return EnvStep(observation=env.obs, tool="echo", tool_status="ok", tool_seconds=time.monotonic() - started,
-                       done=env.done_after)
+                       done=env.done_after, reward_parts=env.reward_parts)
 
 
 def _engine(plugins, policy_dir, seed=0):
@@ -173,11 +174,35 @@ def test_a_failing_tool_is_retried_then_flags_the_episode_unscored(tiny_session)
     assert (flagged.writer, flagged.tool_status, flagged.start, flagged.end) == (
         Writer.ENV, "timeout", len(failed.response_tokens), len(failed.response_tokens))
     assert episode_failure(failed).startswith("tool_timeout:")
+    # every attempt is accounted: the retried one's failure and its seconds are on the turn the call made
+    assert recovered.turns[-1].tool_retries == 1 and recovered.turns[-1].tool_seconds >= 0.25
+    assert flagged.tool_retries == 1 and flagged.tool_seconds == 0.5
+    from rlctl.engine.metrics import episode_metrics
+
+    m = episode_metrics(out)
+    assert m["episode_tool_calls"] == 2 and m["episode_tool_retries"] == 2
+    assert m["episode_tool_error_rate"] == 3 / 4  # 4 attempts: both first tries and the second retry failed
+    assert m["time_tool_s"] >= 0.75
     from rlctl_rewards.math import MathReward
 
     scored, _ = score_all(out, {t.prompt_id: "0" for t in out}, MathReward(), truncation_penalty=0.0)
     assert scored[1].reward is None and scored[1].reward_error.startswith("tool_timeout:")
     assert scored[0].reward_error is None and scored[0].reward is not None
+
+
+def test_turn_rewards_land_on_the_answered_policy_turn_and_in_the_return_not_the_grade(tiny_session):
+    from rlctl.engine.batching import episode_return
+    from rlctl_rewards.math import MathReward
+
+    env = EchoEnv(tiny_session.tokenizer, answer_eos=True, reward_parts={"cost": -0.25, "bonus": 0.125})
+    out = _driver(tiny_session, env).generate(_requests(tiny_session, n=2, g=2))
+    scored, _ = score_all(out, {t.prompt_id: "0" for t in out}, MathReward(), truncation_penalty=None)
+    for t in scored:
+        answered = [u for k, u in enumerate(t.turns) if u.writer is Writer.POLICY and k + 1 < len(t.turns)]
+        assert answered and all(u.reward == -0.125 for u in answered)  # the turn the environment answered
+        assert all(u.reward is None for u in t.turns if u.writer is Writer.ENV)
+        rewarded = sum(1 for u in t.turns if u.reward is not None)  # (+ a last turn whose answer did not fit)
+        assert episode_return(t) == t.reward - 0.125 * rewarded  # the grade itself left as it was
 
 
 def test_text_the_environment_wrote_is_never_graded_as_the_answer(tiny_session):

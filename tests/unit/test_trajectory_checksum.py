@@ -38,8 +38,10 @@ def test_every_turn_field_is_covered():
     t = Trajectory.create(**{**BASE, **{k: CHANGED[k] for k in ("response_tokens", "action_mask",
                                                               "behavior_logprobs", "turns")}})
     policy, env = t.turns
-    for name, value in dict(start=1, end=2, writer=Writer.ENV, policy_version=1, reward=0.5, tool="python",
-                            tool_status="timeout", tool_seconds=0.25).items():
+    changed = dict(start=1, end=2, writer=Writer.ENV, policy_version=1, reward=0.5, tool="python",
+                   tool_status="timeout", tool_seconds=0.25, tool_retries=2)
+    assert set(changed) == {f.name for f in fields(Turn)}  # a new Turn field must be hashed (and listed here)
+    for name, value in changed.items():
         tampered = replace(t, turns=(replace(policy, **{name: value}), env))
         assert not tampered.verify(), name
 
