@@ -206,7 +206,7 @@ def test_a_live_alert_flickering_at_its_bound_is_one_report_until_it_has_been_qu
     registry = SimpleNamespace(add_event=lambda run_id, kind, message, data: events.append(data["step"]))
     alerts = _Alerts(registry, "r", warnings.append, start_step=0)
     trigger = Trigger(id="hot", when="above", metric="x", threshold=1.0, window=1, summary="x is high")
-    alerts.books = [SimpleNamespace(name="book", triggers=[trigger])]
+    alerts.books = [SimpleNamespace(name="book", triggers=[trigger], branch_of=lambda t: "other")]
     hot = {2, 3, 5, 7, 8, 8 + REALERT_AFTER + 1}
     for step in range(8 + REALERT_AFTER + 2):
         alerts.observe(step, {"x": 2.0 if step in hot else 0.0}, [])
