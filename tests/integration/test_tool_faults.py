@@ -93,6 +93,11 @@ def test_ten_percent_tool_timeouts_are_flagged_dropped_whole_counted_alerted_and
     assert timed_out and all(t.reward is None and t.reward_error.startswith("tool_timeout") for t in timed_out)
     alerts = [e for e in reg.events(run_id) if e.kind == "alert" and e.data["runbook"] == "tool-failures"]
     assert alerts, [e.message for e in reg.events(run_id) if e.kind == "alert"]
+    # the grader's alerts on the drops the tool failures cause say so, live; the drop events name the cause
+    grader = [e for e in reg.events(run_id) if e.kind == "alert" and e.data["trigger"] == "groups-dropped"]
+    assert grader and all(e.data.get("follows") == "tool-failures" for e in grader), [e.message for e in grader]
+    drops = [e for e in reg.events(run_id) if e.kind == "groups_dropped"]
+    assert drops and all("tool call failed" in e.message and "grader" not in e.message for e in drops)
     diagnosis = diagnose_run(reg, run_id)
     assert diagnosis.findings[0].runbook == "tool-failures", [f.headline for f in diagnosis.findings]
     assert json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])["samples"][0]["turns"]
