@@ -190,6 +190,20 @@ def test_a_failing_tool_is_retried_then_flags_the_episode_unscored(tiny_session)
     assert scored[0].reward_error is None and scored[0].reward is not None
 
 
+def test_a_hung_environment_step_is_a_timeout_that_counts_the_seconds_waited(tiny_session):
+    from rlctl.engine.episodes import STEP_GRACE_S
+
+    prompt = tiny_session.task.train[0].id
+    env = EchoEnv(tiny_session.tokenizer, slow=prompt, slow_s=STEP_GRACE_S + 1.0, answer_eos=True,
+                  limits=EpisodeLimits(max_turns=3, max_total_tokens=24, step_timeout_s=0.05))
+    (t,) = _driver(tiny_session, env).generate(_requests(tiny_session, n=1, g=1, sampling=SamplingConfig(
+        temperature=0.0, max_tokens=24)))
+    last = t.turns[-1]
+    assert (last.writer, last.tool, last.tool_status, last.tool_retries) == (Writer.ENV, None, "timeout", 0)
+    assert STEP_GRACE_S + 0.05 <= last.tool_seconds < STEP_GRACE_S + 1.0
+    assert episode_failure(t).startswith("tool_timeout:")
+
+
 def test_turn_rewards_land_on_the_answered_policy_turn_and_in_the_return_not_the_grade(tiny_session):
     from rlctl.engine.batching import episode_return
     from rlctl_rewards.math import MathReward
