@@ -76,6 +76,8 @@ def label(turn: dict[str, Any]) -> str:
     if turn["writer"] == "policy":
         text = f"policy v{turn['policy_version']}, {size}"
     else:
-        tool = f" {turn['tool']} {turn['tool_status']} {turn['tool_seconds']:.3f}s" if turn["tool"] else ""
+        from rlctl.incidents.diagnose import tool_label
+
+        tool = tool_label(turn)
         text = f"env{tool}, {size}"
     return text + (f", turn reward {turn['reward']:.3g}" if turn["reward"] is not None else "")

@@ -30,7 +30,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rlctl.incidents.causes import account_for_load, rank_by_cause
 from rlctl.incidents.runbooks import Runbook, load_runbooks
@@ -261,10 +261,21 @@ def episode_html(episode: dict[str, Any]) -> str:
         if turn["writer"] == "policy":
             who, css = f"policy v{turn['policy_version']}", "policy"
         else:
-            tool = f" {turn['tool']} {turn['tool_status']} {turn['tool_seconds']:.3f}s" if turn["tool"] else ""
+            tool = tool_label(turn)
             who, css = f"env{tool}", "env" if turn["tool_status"] in (None, "ok") else "failed"
         if turn["reward"] is not None:
             who += f", turn reward {turn['reward']:.3g}"
         out.append(f"<div class='who'>{e(who)}, {turn['end'] - turn['start']} tokens</div>"
                    f"<div class='turn {css}'>{e(turn['text'])}</div>")
     return "\n".join(out)
+
+
+def tool_label(turn: Mapping[str, Any]) -> str:
+    """`` calculator ok 0.012s`` (`` ... after 2 retries`` when failed attempts were run again) for an
+    environment turn of rlctl.lifecycle.episodes.episode_json; a failed step that named no tool (a crashed
+    or hung environment) is ``environment``'s; "" when the turn ran no tool."""
+    if not turn["tool"] and turn["tool_status"] not in ("timeout", "error", "garbage"):
+        return ""
+    retries = turn.get("tool_retries", 0)
+    return (f" {turn['tool'] or 'environment'} {turn['tool_status']} {turn['tool_seconds']:.3f}s"
+            + (f" after {retries} retries" if retries else ""))

@@ -86,7 +86,8 @@ def episode_json(step: int, t: Trajectory, decode: Decode | None = None, dropped
 
     turns = [{"writer": u.writer.value, "start": u.start, "end": u.end,
               "tokens": list(t.response_tokens[u.start:u.end]), "text": text(i, u), "policy_version": u.policy_version,
-              "reward": u.reward, "tool": u.tool, "tool_status": u.tool_status, "tool_seconds": u.tool_seconds}
+              "reward": u.reward, "tool": u.tool, "tool_status": u.tool_status, "tool_seconds": u.tool_seconds,
+              "tool_retries": u.tool_retries}
              for i, u in enumerate(spans)]
     return {"id": t.id, "prompt_id": t.prompt_id, "step": step,
             "status": "dropped" if (t.reward_error is not None if dropped is None else dropped) else "trained", "multi_turn": bool(t.turns),
@@ -95,3 +96,4 @@ def episode_json(step: int, t: Trajectory, decode: Decode | None = None, dropped
             "terminal_reason": t.terminal_reason.value, "policy_versions": list(t.policy_versions),
             "policy_tokens": sum(t.action_mask), "env_tokens": len(t.action_mask) - sum(t.action_mask),
             "turns": turns}
+

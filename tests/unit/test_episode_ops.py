@@ -171,6 +171,13 @@ def test_retried_attempts_count_in_the_error_rate_retries_and_tool_time() -> Non
     crashed = _episode("b", 0).updated(turns=(Turn(start=0, end=7, writer=Writer.POLICY, policy_version=1),
                                               Turn(start=7, end=7, writer=Writer.ENV, tool_status="error")))
     assert episode_metrics([crashed])["episode_tool_error_rate"] == 1.0
+    # `rlctl episodes` and the diagnosis report show the retries and the failed step that named no tool
+    from rlctl.incidents.diagnose import tool_label
+    from rlctl.lifecycle.episodes import episode_json
+
+    assert tool_label(episode_json(0, eps[2])["turns"][1]) == " calculator timeout 3.000s after 2 retries"
+    assert tool_label(episode_json(0, crashed)["turns"][1]) == " environment error 0.000s"
+    assert tool_label(episode_json(0, eps[1])["turns"][0]) == ""
 
 
 def test_length_and_token_rate_metrics_count_the_policys_tokens() -> None:
@@ -298,7 +305,7 @@ def test_stored_episodes_turn_by_turn_newest_last_with_the_runs_tokens(tmp_path)
     assert [t["writer"] for t in ep["turns"]] == ["policy", "env", "policy"] and ep["status"] == "trained"
     assert ep["turns"][1] | {"text": ep["turns"][1]["text"]} == {
         "writer": "env", "start": 3, "end": 5, "tokens": [8, 9], "text": "hi", "policy_version": None,
-        "reward": None, "tool": "calculator", "tool_status": "ok", "tool_seconds": 0.5}
+        "reward": None, "tool": "calculator", "tool_status": "ok", "tool_seconds": 0.5, "tool_retries": 0}
     assert ep["policy_tokens"] == 5 and ep["env_tokens"] == 2 and ep["policy_versions"] == [1, 2]
     assert flagged["status"] == "dropped" and flagged["reward"] is None
     assert flagged["turns"][1]["tool_status"] == "timeout" and flagged["turns"][1]["tokens"] == []
