@@ -54,7 +54,7 @@ class Turn:
     tool: str | None = None
     tool_status: str | None = None
     tool_seconds: float = 0.0  # every attempt's, retried ones included
-    tool_retries: int = 0  # failed attempts of this call that were run again
+    tool_retries: int = 0  # failed attempts of this call that were run again (hashed only when set)
 
 
 @dataclass(**_FROZEN)

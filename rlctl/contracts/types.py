@@ -198,8 +198,9 @@ class Trajectory:
             len(self.action_mask), len(self.behavior_logprobs),
         )
         if self.turns:  # only episodes hash their turns: single-turn digests stay what they were
+            # (and tool_retries only when set: episodes stored before it existed still verify)
             header += (tuple((t.start, t.end, t.writer.value, t.policy_version, t.reward, t.tool, t.tool_status,
-                              t.tool_seconds, t.tool_retries) for t in self.turns),)
+                              t.tool_seconds) + ((t.tool_retries,) if t.tool_retries else ()) for t in self.turns),)
         h = hashlib.sha256(repr(header).encode())
         for ints in (self.prompt_tokens, self.response_tokens, self.action_mask):
             h.update(array("q", ints))

@@ -46,6 +46,18 @@ def test_every_turn_field_is_covered():
         assert not tampered.verify(), name
 
 
+EARLIER_EPISODE_DIGEST = "c7600d449173a06e3ce21ba259fd20e338d01ad403965072266f5efa02a58e6f"  # before tool_retries
+
+
+def test_episode_digests_without_retries_stay_what_they_were_before_tool_retries():
+    """Episodes stored before Turn.tool_retries existed (all 0) still verify; a retry changes the digest."""
+    t = Trajectory.create(**{**BASE, **{k: CHANGED[k] for k in ("response_tokens", "action_mask",
+                                                              "behavior_logprobs", "turns")}})
+    assert t.checksum == EARLIER_EPISODE_DIGEST
+    policy, env = t.turns
+    assert t.updated(turns=(policy, replace(env, tool_retries=1))).checksum != EARLIER_EPISODE_DIGEST
+
+
 def test_single_turn_digests_do_not_change_with_the_episode_fields():
     """``turns == ()`` hashes as before episodes existed, so checkpoints and queue logs from earlier runs verify."""
     assert Trajectory.create(**BASE).checksum == EARLIER_DIGEST
