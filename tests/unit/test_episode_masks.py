@@ -528,3 +528,27 @@ def test_token_rewards_always_sum_to_the_return_and_stay_on_policy_tokens(cells,
     if mask.any():
         assert float(out.sum()) == pytest.approx(ret, abs=1e-5)
     assert float(out[mask == 0].abs().sum()) == 0.0
+
+
+def test_a_training_step_hands_the_turn_rewards_to_a_per_token_estimator(session, plugins):
+    """``train_on`` with REINFORCE++: one episode earned 1.0 on its first policy turn (3 tokens) and nothing
+    else in the batch was rewarded, so the return is 1.0 on those 3 of the 39 policy tokens and 0 after them;
+    without the turn rewards the 1.0 would sit on the episode's last token and count for all 5 of its tokens."""
+    from dataclasses import replace as with_fields
+
+    from rlctl.engine.groups import select_groups
+    from rlctl.engine.spec import LoopSpec
+    from rlctl.engine.step import StepInput, train_on
+    from rlctl.placement.build import build_estimator
+
+    cfg = config(session, "reinforce_pp", "loss")
+    estimator = build_estimator(cfg, plugins)
+    eps = [t.updated(reward=0.0) for t in episodes(session)]
+    eps[0] = _with_turn_rewards(eps[0], {0: 1.0})
+    assert sum(t.num_policy_tokens for t in eps) == 39
+    spec = LoopSpec.from_config(cfg)
+    sel = select_groups(eps, estimator, 4, spec.max_tokens)
+    outcome = train_on(StepInput(selection=sel, times={"T_r": 1.0, "T_v": 0.0}),
+                       with_fields(session, estimator=estimator), spec, step=0)
+    assert outcome.metrics["return_mean"] == pytest.approx(3 / 39, abs=1e-6)
+    assert outcome.metrics["episode_turn_reward"] == pytest.approx(1 / 8)
