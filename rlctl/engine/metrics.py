@@ -113,8 +113,8 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
 
     ``trajectories``: every episode generated this step (the dropped ones included); ``dropped``: the
     trajectories of the groups dropped whole (``group_size`` each). A single-turn sample is one policy turn
-    with no tool call. A call is an environment turn that ran a tool (or whose step failed: a crashed or hung
-    environment); it stands for ``1 + tool_retries`` attempts (Turn.tool_retries: failed attempts the
+    with no tool call. A call is an environment turn that ran a tool (or whose step failed or was retried: a
+    crashed or hung environment); it stands for ``1 + tool_retries`` attempts (Turn.tool_retries: failed attempts the
     driver ran again). ``episode_tool_calls``, ``episode_tool_retries`` and ``episode_env_tokens`` are totals
     over the step; ``episode_tool_error_rate`` = failed attempts (tool_status timeout / error / garbage, the
     retried ones included: a failure a retry recovered counts) / attempts;
@@ -129,7 +129,7 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
     turns: list[float] = []
     tool_s = turn_reward = 0.0
     for t in trajectories:
-        env = [u for u in t.turns if u.tool is not None or u.tool_status in TOOL_FAILURES]
+        env = [u for u in t.turns if u.tool is not None or u.tool_status in TOOL_FAILURES or u.tool_retries]
         calls += len(env)
         retries += sum(u.tool_retries for u in env)
         attempts += sum(1 + u.tool_retries for u in env)

@@ -171,6 +171,8 @@ def test_retried_attempts_count_in_the_error_rate_retries_and_tool_time() -> Non
     crashed = _episode("b", 0).updated(turns=(Turn(start=0, end=7, writer=Writer.POLICY, policy_version=1),
                                               Turn(start=7, end=7, writer=Writer.ENV, tool_status="error")))
     assert episode_metrics([crashed])["episode_tool_error_rate"] == 1.0
+    recovered = crashed.updated(turns=(crashed.turns[0], Turn(start=7, end=7, writer=Writer.ENV, tool_retries=1)))
+    assert episode_metrics([recovered])["episode_tool_error_rate"] == 0.5  # crashed once, then ended the episode
     # `rlctl episodes` and the diagnosis report show the retries and the failed step that named no tool
     from rlctl.incidents.diagnose import tool_label
     from rlctl.lifecycle.episodes import episode_json
