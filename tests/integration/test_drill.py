@@ -1,9 +1,9 @@
 """``rlctl drill`` through the CLI: a fast subset of the drills, each a real child ``rlctl train`` with a fault.
 
-The whole drill (nine drills; 150 s on the 2-core box at load 2-3) stays a command; CI runs the three that need
-one child run each and no rollout server (NaN rollback, verifier timeouts, tool timeouts), and checks the table, the exit
-code and that every result is stored in the registry as a ``drill`` event on its run (about 30 s on 2 cores,
-so it is not marked slow).
+The whole drill (ten drills) stays a command; CI runs the three that need one child run each and no rollout
+server (NaN rollback, verifier timeouts, tool timeouts), and checks the table, the exit code and that every
+result is stored in the registry as a ``drill`` event on its run (about 60 s on 2 cores, so it is not marked
+slow).
 """
 
 from __future__ import annotations

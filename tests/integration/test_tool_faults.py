@@ -123,4 +123,8 @@ def test_async_on_ray_with_the_python_tool_in_the_sandbox_survives_a_sigkilled_r
     assert answers and all(a.startswith("=42") for a in answers), answers
     timed_out = [t for t in stored if any(u.tool_status == "timeout" for u in t.turns)]
     assert timed_out and all(t.reward is None and t.reward_error.startswith("tool_timeout") for t in timed_out)
+    print(f"\nRay async, python tool in the sandbox: {len(crashed)} rollout actor(s) SIGKILLed, "
+          f"{int(total('episode_tool_calls'))} tool calls ({len(ran)} stored samples ran print(6*7)), "
+          f"{total('episode_tool_error_rate') / steps:.0%} timed out, {int(total('episode_dropped_groups'))} groups "
+          f"dropped; audit: {len(report.lost)} lost, {report.double_counted} trained twice")
 
