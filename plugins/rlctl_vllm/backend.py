@@ -104,7 +104,7 @@ MAX_STOP_STRINGS = 64  # per request, set on launched servers (vLLM's default is
 def launch_env(launch: LaunchOptions) -> dict[str, str]:
     """The servers' environment on top of rlctl's (launch.env wins)."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}",
-           # vLLM takes 4 stop strings per request by default; an environment's closing tags plus rollout.stop
+           # vLLM takes 4 stop strings per request by default; an environment's closing tags plus the task's
            # can be more (each tool adds one)
            "VLLM_MAX_STOP_STRINGS": str(MAX_STOP_STRINGS)}
     if launch.cpus:
@@ -409,7 +409,7 @@ class VLLMRollout:
         except ServerError as err:
             if err.status == 400 and "body.stop" in err.message:
                 raise RoleError(f"vLLM server {client.url} refused the request's {len(s.stop)} stop strings "
-                                "(rollout.stop and the environment's, one closing tag per tool): it takes at most "
+                                "(the task's and the environment's, one closing tag per tool): it takes at most "
                                 "VLLM_MAX_STOP_STRINGS, 4 unless set",
                                 f"start the server with VLLM_MAX_STOP_STRINGS={MAX_STOP_STRINGS} in its "
                                 "environment (servers rlctl launches have it), or use fewer tools") from None
