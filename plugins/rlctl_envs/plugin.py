@@ -1,4 +1,4 @@
-"""Built-in environments and tools: environment ``tools``, tool ``calculator``.
+"""Built-in environments and tools: environments ``tools`` and ``scripted-tools``, tool ``calculator``.
 
 What this is: the entry point ``envs = "rlctl_envs.plugin"``; it registers each
 with its options model, exactly as a third-party plugin would. (The ``python``
@@ -20,11 +20,18 @@ def _tools_env(options, ctx):
     return ToolsEnvironment(options, ctx)
 
 
+def _scripted_tools_env(options, ctx):
+    from rlctl_envs.tools_env import ScriptedToolsEnvironment
+
+    return ScriptedToolsEnvironment(options, ctx)
+
+
 @hookimpl
 def register_environments(register: Callable[..., None]) -> None:
-    from rlctl_envs.tools_env import ToolsEnvOptions
+    from rlctl_envs.tools_env import ScriptedToolsOptions, ToolsEnvOptions
 
     register("tools", _tools_env, options=ToolsEnvOptions)
+    register("scripted-tools", _scripted_tools_env, options=ScriptedToolsOptions)
 
 
 @hookimpl

@@ -226,3 +226,43 @@ class ToolsEpisode:
         if not isinstance(value, str):
             return "garbage", f"the tool returned {type(value).__name__}, not text", seconds
         return "ok", value, seconds
+
+
+class ScriptedToolsOptions(ToolsEnvOptions):
+    call: str = Field(description="The arguments of the call every episode's first policy turn makes to the first "
+                      "tool in `tools` (e.g. '6*7' for the calculator, 'print(6*7)' for python).")
+
+
+class ScriptedToolsEnvironment(ToolsEnvironment):
+    """Environment ``scripted-tools``: ``tools``, except that every episode's first policy turn counts as the call
+    ``options.call`` to the first tool, whatever the policy wrote; the second turn ends the episode.
+
+    For drills and tests of the tool machinery (the sandbox, step deadlines, the ``tool.call`` fault site,
+    retries, dropped groups, metrics) with a policy that never writes the call syntax, such as the tiny model.
+    The call runs exactly as a parsed one would (timed, through the fault site).
+    """
+
+    name = "scripted-tools"
+
+    def __init__(self, options: ScriptedToolsOptions, ctx: EnvironmentContext) -> None:
+        super().__init__(options, ctx)
+        self.call = (next(iter(self.tools)), options.call)
+        self.version = f"scripted-{self.version}:{options.call!r}"
+
+    def start(self, prompt_id: str, prompt_tokens: Sequence[int], row: Any = None) -> "ScriptedEpisode":
+        return ScriptedEpisode(self, f"{prompt_id}#{next(self._counter)}")
+
+
+class ScriptedEpisode(ToolsEpisode):
+    env: ScriptedToolsEnvironment
+    answered = False  # set once the call succeeded: a failed step leaves the state as it was (retried)
+
+    def step(self, policy_tokens: Sequence[int]) -> EnvStep:
+        if self.answered:
+            return EnvStep(done=True)
+        name, arguments = self.env.call
+        status, result, seconds = self._call(name, arguments)
+        if status in FAILED:
+            return EnvStep(done=True, tool=name, tool_status=status, tool_seconds=seconds, info={"error": result})
+        self.answered = True
+        return EnvStep(observation=self.env.observe(result), tool=name, tool_status=status, tool_seconds=seconds)

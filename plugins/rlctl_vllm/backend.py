@@ -98,9 +98,15 @@ def launch_argv(launch: LaunchOptions, model_dir: str) -> list[str]:
                         "processed_logprobs"], model_dir)
 
 
+MAX_STOP_STRINGS = 64  # per request, set on launched servers (vLLM's default is 4)
+
+
 def launch_env(launch: LaunchOptions) -> dict[str, str]:
     """The servers' environment on top of rlctl's (launch.env wins)."""
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{launch.kv_cache_gib:g}",
+           # vLLM takes 4 stop strings per request by default; an environment's closing tags plus the task's
+           # can be more (each tool adds one)
+           "VLLM_MAX_STOP_STRINGS": str(MAX_STOP_STRINGS)}
     if launch.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "{cpus}"  # vLLM-CPU binds its OpenMP threads itself ("auto": by NUMA)
     return {**env, **launch.env}
@@ -398,7 +404,17 @@ class VLLMRollout:
         if s.stop:
             body["stop"] = list(s.stop)
             body["include_stop_str_in_output"] = True  # keep the text aligned with the tokens
-        choices = sorted(client.completions(body).get("choices") or [], key=lambda c: c.get("index", 0))
+        try:
+            answer = client.completions(body)
+        except ServerError as err:
+            if err.status == 400 and "body.stop" in err.message:
+                raise RoleError(f"vLLM server {client.url} refused the request's {len(s.stop)} stop strings "
+                                "(the task's and the environment's, one closing tag per tool): it takes at most "
+                                "VLLM_MAX_STOP_STRINGS, 4 unless set",
+                                f"start the server with VLLM_MAX_STOP_STRINGS={MAX_STOP_STRINGS} in its "
+                                "environment (servers rlctl launches have it), or use fewer tools") from None
+            raise
+        choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != req.group_size:
             raise RoleError(f"{client.url} answered {len(choices)} completions for n={req.group_size}",
                             "check the server's log")

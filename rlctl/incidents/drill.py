@@ -16,6 +16,10 @@ registry events and metrics and decides pass / fail:
                    SIGKILL mid-step 5
   hang             rollout stalls 30 s, watchdog 2 s      hang event naming phase generate within 12 s of
                                                           the stall, run stopped non-zero (not hung)
+  tool-failures    10% of tool calls time out, on         every dropped group is a tool failure's and none
+                   multi-turn episodes (scripted-tools:   of its samples scored (no zero rewards), groups
+                   each episode's first turn calls the    dropped and counted, runbook tool-failures alert,
+                   calculator), no retries                run succeeded
 
 The rollout-side drills run the same tiny config with ``rollout.backend:
 sglang`` against ``rlctl serve rollout`` processes the drill starts on
@@ -68,8 +72,8 @@ DRILL_OVERRIDES = (
     "eval.at_end=false", "train.deterministic=true", "checkpoint.every_steps=2", "checkpoint.keep_last=3",
     "checkpoint.async_save=false", "train.metric_sinks=[jsonl]",
 )
-KINDS = ("oom", "verifier-timeout", "nan", "learner-crash", "bad-checkpoint", "hang", "worker-crash",
-         "network-partition", "weight-sync", "worker-crash-vllm")
+KINDS = ("oom", "verifier-timeout", "nan", "learner-crash", "bad-checkpoint", "hang", "tool-failures",
+         "worker-crash", "network-partition", "weight-sync", "worker-crash-vllm")
 VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"  # the engine venv (docs/vllm.md), from the working directory
 VLLM_OVERRIDES = ("model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=128")
 
@@ -302,6 +306,44 @@ def drill_hang(d: _Driller) -> DrillResult:
                        run.steps == list(range(2)), run.run_id, run.wall_s, detail)
 
 
+# The tiny model never writes the tool syntax: scripted-tools makes each episode's first turn a real, timed
+# calculator call through the tool.call fault site (the same setup as tests/integration/test_tool_faults.py).
+TOOL_ENVIRONMENT = {"name": "scripted-tools", "options": {
+    "tools": {"calc": {"tool": "calculator"}}, "call": "6*7", "observation": "={result}",
+    "limits": {"max_turns": 2, "max_total_tokens": 12, "step_timeout_s": 2}}}
+
+
+def drill_tool_failures(d: _Driller) -> DrillResult:
+    from rlctl.engine.samples import read_samples
+    from rlctl.registry.store import Registry
+
+    run = d.train("tool-failures", [{"kind": "tool-timeout", "rate": 0.1}], "rollout.max_tokens=12",
+                  f"rollout.environment={json.dumps(TOOL_ENVIRONMENT)}", "faults.verifier_retries=0")
+    m: dict[tuple[int, str], float] = {}
+    if run.run_id is not None:
+        with Registry.open(d.registry_url) as reg:
+            m = {(p.step, p.name): p.value for p in reg.metrics(run.run_id, [
+                "episode_tool_calls", "episode_tool_error_rate", "episode_dropped_groups", "groups_dropped",
+                "reward_error_count"])}
+    steps = sorted({s for s, _ in m})
+    total = lambda name: sum(m.get((s, name), 0.0) for s in steps)  # noqa: E731
+    dropped = int(total("episode_dropped_groups"))
+    # every dropped group is a tool failure's, and each of its 4 samples is unscored, not scored 0
+    whole = all(m.get((s, "episode_dropped_groups")) == m.get((s, "groups_dropped"))
+                and m.get((s, "reward_error_count")) == 4 * m.get((s, "groups_dropped"), 0.0) for s in steps)
+    stored = [t for _, ts in read_samples(run.run_dir) for t in ts]
+    scored = [t for t in stored if any(u.tool_status == "timeout" for u in t.turns) and t.reward is not None]
+    alerts = [e for e in run.all("alert") if e.data.get("runbook") == "tool-failures"]
+    ok = run.succeeded and dropped > 0 and whole and not scored and bool(alerts) and run.continuity
+    rate = total("episode_tool_error_rate") / max(len(steps), 1)
+    detail = (f"{int(total('episode_tool_calls'))} tool calls, {rate:.0%} failed; "
+              f"{dropped} group(s) ({dropped * 4} trajectories) dropped whole and counted, "
+              f"{'none' if not scored else len(scored)} timed-out sample(s) scored; runbook tool-failures "
+              f"{'alerted at step ' + str(alerts[0].data.get('step')) if alerts else 'did NOT alert'}")
+    return DrillResult("tool-failures", ok, "yes" if ok else "no", 0.0 if dropped else None, 0, dropped * 4,
+                       run.duplicated_steps * 16, run.continuity, run.run_id, run.wall_s, detail)
+
+
 def _mismatch_ok(run: _Run, registry_url: str) -> bool:
     """Rollout and learner log-probs agreed at every step: no sample came from old or half-applied weights."""
     from rlctl.registry.store import Registry
@@ -388,7 +430,8 @@ def drill_vllm_worker_crash(d: _Driller) -> DrillResult:
 
 DRILLS: dict[str, Callable[[_Driller], DrillResult]] = {
     "oom": drill_oom, "verifier-timeout": drill_verifier, "nan": drill_nan, "learner-crash": drill_crash,
-    "bad-checkpoint": drill_bad_checkpoint, "hang": drill_hang, "worker-crash": drill_worker_crash,
+    "bad-checkpoint": drill_bad_checkpoint, "hang": drill_hang, "tool-failures": drill_tool_failures,
+    "worker-crash": drill_worker_crash,
     "network-partition": drill_partition, "weight-sync": drill_weight_sync,
     "worker-crash-vllm": drill_vllm_worker_crash,
 }

@@ -1,9 +1,9 @@
 """``rlctl drill`` through the CLI: a fast subset of the drills, each a real child ``rlctl train`` with a fault.
 
-The whole drill (nine drills; 150 s on the 2-core box at load 2-3) stays a command; CI runs the two that need
-one child run each and no rollout server (NaN rollback, verifier timeouts), and checks the table, the exit
-code and that every result is stored in the registry as a ``drill`` event on its run (about 30 s on 2 cores,
-so it is not marked slow).
+The whole drill (ten drills) stays a command; CI runs the three that need one child run each and no rollout
+server (NaN rollback, verifier timeouts, tool timeouts), and checks the table, the exit code and that every
+result is stored in the registry as a ``drill`` event on its run (about 60 s on 2 cores, so it is not marked
+slow).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.integration.test_cli import _assert_one_line_error, rlctl
 
-FAST_DRILLS = ("nan", "verifier-timeout")
+FAST_DRILLS = ("nan", "verifier-timeout", "tool-failures")
 
 
 def test_fast_drills_pass_and_are_stored_in_the_registry(tmp_path: Path):
@@ -29,6 +29,7 @@ def test_fast_drills_pass_and_are_stored_in_the_registry(tmp_path: Path):
         assert result["trajectories_duplicated"] == 0, result
     assert results["nan"]["steps_lost"] >= 1  # rolled back to a checkpoint before the NaN steps
     assert results["verifier-timeout"]["time_to_recover_s"] == 0.0  # re-scored in the same step
+    assert results["tool-failures"]["trajectories_lost"] > 0  # dropped whole groups, counted, never scored 0
     with Registry.open(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
         for name, result in results.items():
             drills = [e for e in reg.events(result["run_id"]) if e.kind == "drill"]

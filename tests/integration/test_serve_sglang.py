@@ -147,6 +147,36 @@ def test_served_behaviour_logprobs_match_the_learner(plugins, _rlctl_home, tiny_
         session.rollout.close()
 
 
+def test_episodes_over_the_served_engine_keep_the_sampled_ids_masks_and_logprobs(plugins, _rlctl_home,
+                                                                                tiny_policy_dir, server, tmp_path):
+    """The episode driver over the sglang plugin: each later turn is a token-id request (prompt + every turn so
+    far). The server keeps the stop string in ``output_ids`` (``no_stop_trim``), so a policy turn ends with the
+    token the engine sampled; environment tokens are masked; the learner matches the engine on policy tokens."""
+    from rlctl.contracts.types import Writer
+    from rlctl.engine.batching import build_batch
+    from rlctl.engine.episodes import EpisodeDriver
+    from tests.unit.test_episodes import EchoEnv, _check_structure, _requests
+
+    session = _session(plugins, _rlctl_home, server.url, tmp_path)
+    env = EchoEnv(session.tokenizer, obs="; ")
+    try:
+        out = EpisodeDriver(session.rollout, env, session.tokenizer).generate(_requests(session))
+    finally:
+        session.rollout.close()
+    stops = {session.tokenizer.convert_tokens_to_ids(c) for c in env.stop}
+    policy = [(t, x) for t in out for x in t.turns if x.writer is Writer.POLICY]
+    for t in out:
+        _check_structure(t, env)
+    ended_at_stop = [t.response_tokens[x.end - 1] for t, x in policy if t.response_tokens[x.end - 1] in stops]
+    assert ended_at_stop and max(sum(x.writer is Writer.ENV for x in t.turns) for t in out) >= 2  # multi-turn
+    batch = build_batch(out, [0.0] * len(out), session.tokenizer.pad_token_id, session.sampling)
+    worst = _mismatch(session, batch)
+    print(f"\nsglang episodes: {sum(sum(x.writer is Writer.ENV for x in t.turns) >= 2 for t in out)}/{len(out)} "
+          f"with >= 2 environment turns, {len(ended_at_stop)} policy turns ended at a stop string, max |learner - "
+          f"behaviour logprob| on policy tokens: {worst:.2e}")
+    assert worst <= 1e-4
+
+
 @pytest.mark.parametrize("delta", [False, True])
 def test_weight_update_through_disk_matches_the_learner(plugins, _rlctl_home, tiny_policy_dir, server, tmp_path,
                                                         delta):

@@ -218,6 +218,42 @@ def test_generate_logprobs_equal_the_learners_recomputation(vllm_backend, vllm_m
     assert worst <= 1e-4
 
 
+def test_episodes_on_vllm_keep_the_sampled_ids_masks_and_logprobs(vllm_backend, vllm_model_dir):
+    """The episode driver over the vllm backend: later turns are token-id prompts (prompt + every turn so far);
+    the server keeps the stop string in the output (``include_stop_str_in_output``), so a policy turn ends with
+    the ids the engine sampled, with their logprobs; the environment's tokens are masked; the learner's
+    recomputation matches the engine's on policy tokens (<= 1e-4)."""
+    from transformers import AutoTokenizer
+
+    from rlctl.contracts.types import EpisodeLimits, Writer
+    from rlctl.engine.episodes import EpisodeDriver
+    from tests.unit.test_episodes import EchoEnv
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    model, _ = _state(vllm_model_dir)
+    env = EchoEnv(tok, obs="+1=", limits=EpisodeLimits(max_turns=3, max_total_tokens=24, step_timeout_s=5.0))
+    out = EpisodeDriver(vllm_backend, env, tok).generate(_requests(vllm_model_dir, max_tokens=24))
+    assert len(out) == 16
+    worst, at_stop, multi = 0.0, 0, 0
+    for t in out:
+        assert t.verify() and len(t.response_tokens) == len(t.action_mask) == len(t.behavior_logprobs) <= 24
+        mine = _recompute(model, t, 1.0)
+        for x in t.turns:
+            span = range(x.start, x.end)
+            if x.writer is Writer.ENV:
+                assert t.response_tokens[x.start:x.end] == env.obs
+                assert all(t.action_mask[i] == 0 and t.behavior_logprobs[i] == 0.0 for i in span)
+                continue
+            assert all(t.action_mask[i] == 1 for i in span)
+            worst = max([worst, *(abs(mine[i] - t.behavior_logprobs[i]) for i in span)])
+            text = tok.decode(list(t.response_tokens[x.start:x.end]))
+            at_stop += bool(text) and text[-1] in env.stop
+        multi += sum(x.writer is Writer.ENV for x in t.turns) >= 2
+    print(f"\nvLLM episodes: {multi}/16 with >= 2 environment turns, {at_stop} policy turns ended at a stop "
+          f"string, max |behaviour logprob - recomputed| on policy tokens: {worst:.2e}")
+    assert at_stop and multi and worst <= 1e-4
+
+
 def test_weight_update_to_another_model_changes_greedy_output(vllm_backend, vllm_model_dir):
     before = _greedy(vllm_backend, vllm_model_dir)
     other, state = _state(vllm_model_dir, noise=0.3)

@@ -34,14 +34,14 @@ BUILTINS = {
     "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner", "slow-rollout",
               "tool-error", "tool-timeout", "verifier-error", "verifier-timeout", "weight-sync-failure",
               "worker-crash"],
-    "environment": ["tools"],
+    "environment": ["scripted-tools", "tools"],
     "tool": ["calculator", "python"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "hf_disk", "humaneval", "jsonl", "parquet")},
     "rewards": {"reward function": ("code", "digit_credit", "format", "length", "math", "reward_model"),
                 "tool": ("python",)},
-    "envs": {"environment": ("tools",), "tool": ("calculator",)},
+    "envs": {"environment": ("scripted-tools", "tools"), "tool": ("calculator",)},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "vllm": {"rollout backend": ("vllm",)},

@@ -185,6 +185,33 @@ def test_garbage_from_a_tool_is_flagged(plugins):
     assert step.tool_status == "garbage" and step.done
 
 
+def test_scripted_tools_makes_the_first_turn_a_real_call_whatever_the_policy_wrote(plugins):
+    """``scripted-tools`` (drills, tests): the first turn calls the first tool with ``call`` through the fault site;
+    a failed call leaves the episode as it was (the retry calls again); the turn after the answer ends it."""
+    env = build_environment(plugins, EnvironmentConfig(name="scripted-tools", options={
+        "tools": {"calc": {"tool": "calculator"}}, "call": "6*7"}), TOK)
+    episode = env.start("p", (1,))
+    calls = []
+
+    def once(value, **info):
+        calls.append(info["arguments"])
+        if len(calls) == 1:
+            raise TimeoutError("injected")
+        return value
+
+    disarm = faults.arm("tool.call", once)
+    try:
+        failed = episode.step(TOK.encode("no call here", add_special_tokens=False))
+        answered = episode.step(TOK.encode("no call here", add_special_tokens=False))
+    finally:
+        disarm()
+    assert calls == ["6*7", "6*7"] and (failed.tool_status, failed.done) == ("timeout", True)
+    assert (answered.tool, answered.tool_status, _text(answered), answered.done) == ("calc", "ok", "<out>42</out>",
+                                                                                      False)
+    assert episode.step(TOK.encode("42", add_special_tokens=False)).done
+    assert env.name == "scripted-tools" and "'6*7'" in env.version
+
+
 def test_unknown_names_and_bad_options_fail_naming_the_config_path(plugins):
     with pytest.raises(ConfigError, match=r"rollout.environment.name: no environment named 'tool'.*'tools'"):
         build_environment(plugins, EnvironmentConfig(name="tool"), TOK)
