@@ -366,6 +366,7 @@ class RolloutContext:
     tokenizer_hash: str
     seed: int
     policy_version: int = 0
+    deterministic: bool = False  # train.deterministic: same seed, same samples whatever the timing
 
 
 @dataclass(**_FROZEN)

@@ -14,7 +14,12 @@ environment's answer (``EpisodeState.step``) runs in a thread pool, so an
 episode waiting on a slow tool does not hold up the others: each engine call
 takes the episodes that are ready. Rounds are formed by waiting for the first
 pending step and then up to ``GATHER_S`` for the rest, so with tools faster
-than that (the calculator) the same seed gives the same episodes.
+than that (the calculator) the same seed gives the same episodes; which
+episodes share an engine call can change samples (the batch's random draws),
+so a deterministic run (``train.deterministic``, ``RolloutContext.deterministic``)
+forms rounds in lockstep instead: each round waits for every pending step
+(up to its deadline), and the same seed gives the same episodes whatever the
+tools' latency, at the price of a slow tool holding the others.
 
 An episode is one Trajectory: ``response_tokens`` every token after the prompt,
 ``action_mask`` 1 on the policy's tokens and 0 on the environment's,
@@ -43,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -81,7 +86,7 @@ def build_rollout(plugins: "Plugins", rollout: "RolloutConfig", ctx: RolloutCont
 
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir, local_files_only=True)
     env = build_environment(plugins, rollout.environment, tokenizer, seed=ctx.seed)
-    return EpisodeDriver(backend, env, tokenizer, retries=retries)
+    return EpisodeDriver(backend, env, tokenizer, retries=retries, lockstep=ctx.deterministic)
 
 
 def build_environment(plugins: "Plugins", environment: "EnvironmentConfig", tokenizer: Any, seed: int = 0
@@ -136,15 +141,17 @@ class EpisodeDriver:
     """
 
     def __init__(self, backend: RolloutBackend, environment: Environment, tokenizer: Any, *, retries: int = 0,
-                 workers: int = 32) -> None:
+                 workers: int = 32, lockstep: bool = False) -> None:
         self.backend = backend
+        self.lockstep = lockstep  # rounds wait for every pending step: timing-independent episodes
         self.environment = environment
         self.tokenizer = tokenizer
         self.retries = retries
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env-step")
 
     def __getattr__(self, name: str) -> Any:
-        if name in _HIDDEN or name.startswith("__") or name in ("backend", "environment", "tokenizer", "_pool"):
+        if name in _HIDDEN or name.startswith("__") or name in ("backend", "environment", "tokenizer", "_pool",
+                                                                 "lockstep"):
             raise AttributeError(name)
         return getattr(self.backend, name)
 
@@ -239,14 +246,19 @@ class EpisodeDriver:
 
     def _gather(self, pending: dict[Future[EnvStep], tuple[_Episode, float]]) -> list[_Episode]:
         """Wait for the first pending step (or a deadline), then up to GATHER_S for the rest; apply those done.
+        In lockstep, wait for every pending step (or its deadline) instead.
 
         Returns the episodes ready for their next policy turn, in a fixed order.
         """
         limit = self.environment.limits.step_timeout_s + STEP_GRACE_S
-        nearest = min(t for _, t in pending.values()) + limit - time.monotonic()
-        done, _ = wait(list(pending), timeout=max(nearest, 0.0), return_when=FIRST_COMPLETED)
-        if done:
-            wait(list(pending), timeout=GATHER_S)
+        if self.lockstep:
+            latest = max(t for _, t in pending.values()) + limit - time.monotonic()
+            wait(list(pending), timeout=max(latest, 0.0), return_when=ALL_COMPLETED)
+        else:
+            nearest = min(t for _, t in pending.values()) + limit - time.monotonic()
+            done, _ = wait(list(pending), timeout=max(nearest, 0.0), return_when=FIRST_COMPLETED)
+            if done:
+                wait(list(pending), timeout=GATHER_S)
         now = time.monotonic()
         finished = []
         for fut, (ep, started) in list(pending.items()):

@@ -200,7 +200,7 @@ class Common:
     def rollout_context(self, index: int = 0) -> RolloutContext:
         """Rollout worker ``index``'s context: its own seed (run.seed + 1000 * index)."""
         return RolloutContext(model_dir=str(self.policy_dir), tokenizer_hash=self.tokenizer_hash,
-                              seed=self.config.run.seed + 1000 * index)
+                              seed=self.config.run.seed + 1000 * index, deterministic=self.config.train.deterministic)
 
     def build_rollout(self, plugins: Plugins, index: int = 0) -> RolloutBackend:
         """A rollout backend in this process (worker ``index``)."""

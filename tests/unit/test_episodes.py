@@ -3,6 +3,7 @@ learner's log-probs on multi-turn episodes (token in / token out, never re-token
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -160,6 +161,38 @@ def test_same_seed_same_episodes(plugins, tiny_session, tiny_policy_dir):
     first = run(0)
     assert run(0) == first
     assert run(1) != first
+
+
+class JitterEnv(EchoEnv):
+    """Tool latency that varies from run to run (0-120 ms, longer than the driver's gather window)."""
+
+    def start(self, prompt_id, prompt_tokens, row=None):
+        episode = EchoEpisode(self, prompt_id)
+        step = episode.step
+
+        def jittered(policy_tokens):
+            time.sleep(random.random() * 0.12)
+            return step(policy_tokens)
+
+        episode.step = jittered
+        return episode
+
+
+def test_lockstep_rounds_give_the_same_episodes_whatever_the_tools_latency(plugins, tiny_session, tiny_policy_dir):
+    """A deterministic run forms rounds in lockstep: tool latency cannot change which episodes share an engine
+    call, so the same seed gives the same episodes (the default ``ready`` rounds do not promise that)."""
+    def run():
+        engine = _engine(plugins, tiny_policy_dir, 0)
+        try:
+            env = JitterEnv(tiny_session.tokenizer)
+            out = EpisodeDriver(engine, env, tiny_session.tokenizer, lockstep=True).generate(_requests(tiny_session))
+        finally:
+            engine.close()
+        assert max(sum(x.writer is Writer.ENV for x in t.turns) for t in out) >= 2  # really multi-turn
+        return [(t.response_tokens, t.behavior_logprobs, t.terminal_reason) for t in out]
+
+    first = run()
+    assert run() == first and run() == first
 
 
 def test_a_failing_tool_is_retried_then_flags_the_episode_unscored(tiny_session):
