@@ -1,4 +1,4 @@
-"""Benchmark: the learner step with padded vs packed micro-batches (``train.micro_batch_tokens``), CPU, one thread.
+"""Benchmark: the learner and critic steps with padded vs packed micro-batches (``train.micro_batch_tokens``), CPU.
 
 Run:  OMP_NUM_THREADS=1 taskset -c 0 python bench/learner_packing.py [--quick] [--repeats 5] [--prompts 4]
       [--group 8] [--budget 1024] [--shapes 0.8M,25M]
@@ -21,11 +21,15 @@ from the same weights, interleaved over ``--repeats`` repeats after one warm-up:
 - ``padded, no prefill sharing``: every row padded to the batch's longest sequence;
 - ``packed``: ``micro_batch_tokens=--budget``, whole sequences end to end, no padding, each distinct prompt
   forwarded once and attended to by its G responses (``share_prompt_prefill``, the default);
-- ``packed, no prefill sharing``: every sequence forwards its own prompt.
+- ``packed, no prefill sharing``: every sequence forwards its own prompt;
+- ``critic padded`` / ``critic packed``: PPO's torch critic (``TorchCritic.train_step``: one epoch of the
+  clipped value loss, one AdamW step) on the same batch, micro-batches of the whole batch padded, or packed
+  under the same budget (the critic never shares prompts).
 
 Columns: median seconds per step, the packed/padded speed ratios (> 1 = packed faster) taken in the same run:
-default packed vs default padded, and the two without prefill sharing against each other; the share of real
-tokens in the padded batch; the number of packed micro-batches. ``torch.set_num_threads(1)``.
+default packed vs default padded, the two without prefill sharing against each other, and the two critics;
+the share of real tokens in the padded batch; the number of packed micro-batches.
+``torch.set_num_threads(1)``.
 """
 
 from __future__ import annotations
@@ -135,13 +139,24 @@ def learners(directory: Path, n: int, budget: int) -> dict[str, Any]:
                                                        TorchLearnerOptions(share_prompt_prefill=False))}
 
 
-def time_steps(steps: dict[str, Any], batch: Any, repeats: int) -> dict[str, float]:
-    """Median seconds of ``train_step`` per learner over ``repeats`` interleaved repeats, after one warm-up."""
+def critics(directory: Path, n: int, budget: int) -> dict[str, Any]:
+    """PPO's torch critic on ``directory``, padded and packed under ``budget``."""
+    from rlctl.config.models import CriticConfig, OptimConfig
+    from rlctl.contracts.types import CriticContext
+    from rlctl_torch_learner.critic import TorchCritic
+
+    ctx = CriticContext(model_dir=str(directory), critic=CriticConfig(), optim=OptimConfig(), seed=0,
+                        micro_batch_size=n)
+    return {"critic padded": TorchCritic(ctx), "critic packed": TorchCritic(replace(ctx, micro_batch_tokens=budget))}
+
+
+def time_steps(steps: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds of each step (a callable) over ``repeats`` interleaved repeats, after one warm-up."""
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats + 1):
-        for name, lrn in steps.items():
+        for name, run in steps.items():
             t = time.perf_counter()
-            lrn.train_step(batch)
+            run()
             times[name].append(time.perf_counter() - t)
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
@@ -152,7 +167,12 @@ def run_case(shape: str, directory: Path, workload: str, args: argparse.Namespac
     vocab = steps["packed"].model.config.vocab_size
     batch = make_batch(workload, args, vocab)
     batch = replace(batch, behavior_logprobs=steps["padded"].logprobs(batch) * batch.action_mask)
-    med = time_steps(steps, batch, args.repeats)
+    value = critics(directory, n, args.budget)
+    returns = batch.advantages.clone()  # any targets on the trained tokens: the timing does not depend on them
+    old = value["critic padded"].values(batch)
+    runs = {name: (lambda lrn=lrn: lrn.train_step(batch)) for name, lrn in steps.items()}
+    runs.update({name: (lambda c=c: c.train_step(batch, returns, old)) for name, c in value.items()})
+    med = time_steps(runs, args.repeats)
     real = int(batch.attention_mask.sum())
     lens = batch.action_mask.sum(-1)
     micro = len(list(steps["packed"]._micro_batches(batch)))
@@ -165,13 +185,15 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nlearner step, padded vs packed (micro_batch_tokens={args.budget}), {args.prompts} prompts x "
           f"{args.group}, median of {args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}")
     print(f"{'shape':<6}{'workload':<11}{'resp mean/max':>14}{'real':>6}{'mb':>4}{'padded s':>10}{'packed s':>10}"
-          f"{'packed/padded':>14}{'no-share: padded s':>20}{'packed s':>10}{'ratio':>7}")
+          f"{'packed/padded':>14}{'no-share: padded s':>20}{'packed s':>10}{'ratio':>7}"
+          f"{'critic: padded s':>18}{'packed s':>10}{'ratio':>7}")
     for r in rows:
         pad, pack = r["padded"], r["packed"]
         pad_ns, pack_ns = r["padded, no prefill sharing"], r["packed, no prefill sharing"]
+        pad_c, pack_c = r["critic padded"], r["critic packed"]
         print(f"{r['shape']:<6}{r['workload']:<11}{r['resp_mean']:>8.1f}/{r['resp_max']:<5}{r['real']:>6.0%}"
               f"{r['micro']:>4}{pad:>10.3f}{pack:>10.3f}{pad / pack:>13.2f}x{pad_ns:>20.3f}{pack_ns:>10.3f}"
-              f"{pad_ns / pack_ns:>6.2f}x")
+              f"{pad_ns / pack_ns:>6.2f}x{pad_c:>18.3f}{pack_c:>10.3f}{pad_c / pack_c:>6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

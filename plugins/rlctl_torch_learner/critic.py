@@ -8,7 +8,13 @@ the hidden state at t - 1 (the state before token t is generated), the same
 alignment as the policy's log-probs. ``train_step`` runs ``critic.epochs``
 passes of micro-batched, gradient-clipped regression with the clipped value
 loss; ``state``/``load_state`` carry weights, optimizer and the shuffling
-generator through checkpoints.
+generator through checkpoints. With ``train.micro_batch_tokens`` set the
+micro-batches are packed exactly as the policy learner's (the kit's
+``micro_batch_rows`` over each epoch's shuffled rows, ``packed_forward`` of
+the backbone, ``unpack_shifted`` of the head's outputs): no padding is
+forwarded, and values, value loss, clipping and gradients are the padded
+path's. Either way values exist, and are regressed, on policy tokens only
+(``action_mask``): an episode's environment tokens get value 0 and no loss.
 
 What this is not: the advantage maths (rlctl.algo) or the policy learner.
 """
@@ -23,25 +29,37 @@ import torch
 from rlctl import CheckpointError, CriticContext
 from rlctl.kit.algo import explained_variance, value_loss
 from rlctl.contracts.batch import TrainBatch
-from rlctl.kit import load_policy, state_codec
+from rlctl.kit import (
+    load_policy, micro_batch_rows, packed_forward, sequence_lengths, state_codec, unpack_shifted,
+    use_segment_attention,
+)
 
 
 class ValueModel(torch.nn.Module):
-    """Backbone of a causal LM (no LM head) + ``Linear(hidden, 1)``."""
+    """Backbone of a causal LM (no LM head) + ``Linear(hidden, 1)``; ``packed``: micro-batches forwarded packed."""
 
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: Any, packed: bool = False) -> None:
         super().__init__()
         self.backbone = lm.get_decoder()
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.packed = packed
+        if packed:
+            use_segment_attention(self.backbone)
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
-        ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
-        raw = self.head(hidden).squeeze(-1).float()  # [n, T]: value of the state after token t
-        values = torch.nn.functional.pad(raw[:, :-1], (1, 0))  # [n, T]: value before token t
+        """[n, T] values of the states before each policy token (0 elsewhere), in the batch's padded layout."""
+        if self.packed:
+            out, _, index = packed_forward(self.backbone, batch)
+            raw = self.head(out.last_hidden_state[0]).squeeze(-1).float()  # [S]: value after flat token j
+            values = unpack_shifted(raw[:-1], index)  # [n, T]: value before token t
+        else:
+            ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+            raw = self.head(hidden).squeeze(-1).float()  # [n, T]: value of the state after token t
+            values = torch.nn.functional.pad(raw[:, :-1], (1, 0))  # [n, T]: value before token t
         return values * (batch.action_mask > 0)
 
 
@@ -51,19 +69,23 @@ class TorchCritic:
     def __init__(self, ctx: CriticContext, options: Any = None) -> None:
         self.cfg, self.optim_cfg = ctx.critic, ctx.optim
         self.micro_batch_size = ctx.micro_batch_size
+        self.micro_batch_tokens = ctx.micro_batch_tokens  # None: padded micro-batches; else packed
         lm, _ = load_policy(ctx.model_dir)
         with torch.random.fork_rng():
             torch.manual_seed(ctx.seed)
-            self.model = ValueModel(lm).train()
+            self.model = ValueModel(lm, packed=self.micro_batch_tokens is not None).train()
         o = self.optim_cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.generator = torch.Generator().manual_seed(ctx.seed + 1)
 
     def _micro(self, batch: TrainBatch, rows: torch.Tensor | None = None):
+        """Row indices of each micro-batch, taken in ``rows`` order (default: batch order), as the learner's."""
         order = rows if rows is not None else torch.arange(batch.num_sequences)
-        for start in range(0, len(order), self.micro_batch_size):
-            yield order[start:start + self.micro_batch_size]
+        lengths = sequence_lengths(batch)
+        for span in micro_batch_rows([lengths[i] for i in order.tolist()], self.micro_batch_size,
+                                     self.micro_batch_tokens):
+            yield order[span.start:span.stop]
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:

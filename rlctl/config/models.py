@@ -263,7 +263,8 @@ class TrainConfig(_Strict):
     learner: str = Field("torch", description="Registered learner backend name.")
     learner_options: dict[str, Any] = Field(default_factory=dict, description="Validated by the learner.")
     micro_batch_tokens: int | None = Field(
-        None, ge=1, description="Packed learner micro-batches: whole sequences (prompt + response) laid end to end, "
+        None, ge=1, description="Packed learner micro-batches (the torch, fsdp2 and deepspeed learners' and the torch "
+        "critic's): whole sequences (prompt + response) laid end to end, "
         "at most this many tokens (and at most algo.micro_batch_size sequences) per forward/backward, with no "
         "attention across sequences and no padding; a sequence longer than the budget gets a micro-batch of its "
         "own. Same loss, gradients and log-probs as the padded path. null = padded micro-batches of "

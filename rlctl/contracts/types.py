@@ -443,6 +443,8 @@ class CriticContext:
     seed: int
     micro_batch_size: int
     deterministic: bool = False
+    # train.micro_batch_tokens: pack the critic's micro-batches as the learner's (rlctl.kit.packing); None = padded
+    micro_batch_tokens: int | None = None
 
 
 @dataclass(**_FROZEN)

@@ -39,7 +39,10 @@ version note. The groups:
   torch learner, the base a sharded learner's rank extends), and the rank
   plumbing of sharded learners: ``RankGroup`` (the LearnerBackend over N
   ranks), ``LocalRanks`` (ranks as local processes), ``ShardedCheckpoints``,
-  ``sharded_state``, ``check_same_model``, ``local_shard``.
+  ``sharded_state``, ``check_same_model``, ``local_shard``; packed
+  micro-batches (``train.micro_batch_tokens``) for a learner or critic of
+  its own: ``micro_batch_rows``, ``sequence_lengths``,
+  ``use_segment_attention``, ``packed_forward``, ``unpack_shifted``.
 
 Names are imported on first use (``from rlctl.kit import TorchLearner``
 imports torch; ``from rlctl.kit import server_urls`` does not), so a plugin's
@@ -93,6 +96,8 @@ _GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "learners": {
         "rlctl.kit.torch_options": ("TorchLearnerOptions",),
         "rlctl.kit.torch_learner": ("TorchLearner",),
+        "rlctl.kit.packing": ("micro_batch_rows", "sequence_lengths", "use_segment_attention", "packed_forward",
+                              "unpack_shifted"),
         "rlctl.kit.ranks": ("RankGroup", "LocalRanks", "ShardedCheckpoints", "sharded_state", "check_same_model",
                             "local_shard"),
     },

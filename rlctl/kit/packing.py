@@ -1,8 +1,12 @@
 """Packed learner micro-batches: whole sequences laid end to end under a token budget, no padding.
 
-What this is: ``pack_rows`` (which rows of a batch share a micro-batch when
-``train.micro_batch_tokens`` is set) and ``packed_logprobs`` (the forward of
-one such micro-batch). A packed micro-batch is one row of ``S`` tokens: the
+What this is: ``micro_batch_rows`` / ``pack_rows`` (which rows of a batch
+share a micro-batch when ``train.micro_batch_tokens`` is set),
+``packed_forward`` (the forward of one such micro-batch) with
+``unpack_shifted`` (its per-token outputs back in the padded layout), and
+``packed_logprobs`` on top of them; the policy learner (rlctl.kit.TorchLearner,
+so also the FSDP2 and DeepSpeed ranks) and the torch critic (values read from
+the packed decoder's hidden states) both use them. A packed micro-batch is one row of ``S`` tokens: the
 real tokens (prompt + response) of each sequence, one after another, with
 position ids restarting at 0 for every sequence, so no token attends across
 a sequence boundary. Attention: a model on sdpa or eager attention is
@@ -13,14 +17,15 @@ the sequence boundaries as ``cu_seq_lens`` and from the position ids, which
 transformers reads as packed sequences (``find_packed_sequence_indices``:
 the block-diagonal causal mask). On CPU (transformers 5.24, Llama and Qwen2,
 sdpa and eager) both give the padded path's logits (bit for bit in float64). The
-per-token log-probs (and entropy) are put back in the padded ``[n, T]``
+per-token log-probs (and entropy, and the critic's values) are put back in the padded ``[n, T]``
 layout of the micro-batch, so the loss, its normalisation and every metric
 are computed by exactly the same code as the padded path; only the forward
 differs (no FLOPs on padding, and no micro-batch padded to the batch's
 longest sequence).
 
-What this is not: prompt-prefill sharing (rlctl.kit.prefill; a packed
-micro-batch forwards each sequence's prompt itself) or a varlen attention
+What this is not: prefix-cache prompt sharing on the padded path
+(rlctl.kit.prefill; here a shared prompt is laid out once in the packed row,
+``shared_layout``, for the policy only) or a varlen attention
 kernel: the per-sequence loop is Python, one sdpa call per sequence and
 layer.
 """
@@ -121,6 +126,40 @@ def packed_inputs(mask: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return flat_ids, positions, index
 
 
+def packed_forward(model: Any, batch: TrainBatch) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Forward a right-padded micro-batch as one packed row: the model's output, the flat ids, the flat index.
+
+    The output is ``[1, S, ...]``, the flat ids [1, S], the flat index [n, T]
+    holds each (row, position)'s place in the row (-1 on padding;
+    ``unpack_shifted`` reads it). ``model`` is a causal LM or its decoder (the
+    critic's backbone): both take the sequence bounds as ``cu_seq_lens`` and
+    restarting position ids, with no attention mask and no cache.
+    """
+    ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
+    flat_ids, positions, index = packed_inputs(mask, ids)
+    lengths = mask.sum(-1)
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)  # [n + 1] sequence bounds
+    top = int(lengths.max())
+    out = model(input_ids=flat_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=top, max_length_k=top)
+    return out, flat_ids, index
+
+
+def unpack_shifted(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A packed row's per-token outputs in the micro-batch's padded [n, T] layout, each on the token it is about.
+
+    ``flat`` [S - 1]: entry j is computed at flat position j about flat token
+    j + 1 (its log-prob, or the value of the state before it). Token t of a row
+    gets the entry of the row's position t - 1, as the padded path's
+    ``pad(x[:, :-1], (1, 0))`` does; 0 on each row's first token (predicted
+    from the previous row's last one: not this row's) and on padding.
+    """
+    shifted = torch.nn.functional.pad(flat, (1, 0))  # [S]: flat token j's entry, computed at j - 1
+    valid = index > 0  # [n, T]
+    valid[:, 0] = False
+    return torch.where(valid, shifted[index.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
 def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool, share_prompts: bool = False):
     """``TorchLearner._logprobs`` of a micro-batch forwarded packed: the same ``[n, T]`` tensors, 0 on padding.
 
@@ -133,28 +172,24 @@ def packed_logprobs(model: Any, batch: TrainBatch, with_entropy: bool, share_pro
         layout = shared_layout(batch)
         if layout is not None:
             return shared_packed_logprobs(model, batch, with_entropy, layout)
-    ids, mask = batch.input_ids, batch.attention_mask  # [n, T]
-    flat_ids, positions, index = packed_inputs(mask, ids)
-    lengths = mask.sum(-1)
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)  # [n + 1] sequence bounds
-    top = int(lengths.max())
-    # no attention mask and no cache: the sequences are told apart by cu_seq_lens and the position ids
-    logits = model(input_ids=flat_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                   max_length_q=top, max_length_k=top).logits[0, :-1]  # [S-1, V]
+    out, flat_ids, index = packed_forward(model, batch)
+    logits = out.logits[0, :-1]  # [S-1, V]
     s = batch.sampling
-    flat = torch.nn.functional.pad(token_logprobs(logits[None], flat_ids[:, 1:], s.temperature, s.top_k,
-                                                  s.top_p)[0], (1, 0))  # [S]: flat token j predicted at j-1
-    valid = index > 0  # [n, T]
-    valid[:, 0] = False  # a row's first token is predicted from the previous row's last: not this row's
-    at = index.clamp(min=0)
-    logp = torch.where(valid, flat[at], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    logp = unpack_shifted(token_logprobs(logits[None], flat_ids[:, 1:], s.temperature, s.top_k, s.top_p)[0], index)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             shaped = logits if s.greedy else process_logits(logits.detach(), s.temperature, s.top_k, s.top_p)
-            ent = torch.nn.functional.pad(entropy_from_logits(shaped), (1, 0))  # [S]
-            entropy = torch.where(valid, ent[at], torch.zeros((), dtype=ent.dtype, device=ent.device))
+            entropy = unpack_shifted(entropy_from_logits(shaped), index)
     return logp, entropy
+
+
+def micro_batch_rows(lengths: list[int], size: int, budget: int | None) -> list[range]:
+    """The micro-batches of rows with these real-token ``lengths``, as consecutive row ranges: ``size`` rows each
+    (padded micro-batches), or packed under ``budget`` tokens and at most ``size`` rows (``pack_rows``)."""
+    if budget is not None:
+        return pack_rows(lengths, budget, size)
+    return [range(start, min(start + size, len(lengths))) for start in range(0, len(lengths), size)]
 
 
 def sequence_lengths(batch: TrainBatch) -> list[int]:

@@ -52,7 +52,7 @@ from rlctl.contracts.checkpoints import LearnerState
 from rlctl.engine import state_codec
 from rlctl.engine.faults import fault_site, report_recovery
 from rlctl.kit.oom import classify_oom
-from rlctl.kit.packing import pack_rows, packed_logprobs, sequence_lengths, use_segment_attention
+from rlctl.kit.packing import micro_batch_rows, packed_logprobs, sequence_lengths, use_segment_attention
 from rlctl.kit.prefill import distinct_prompt_tokens, prefix_shared_logprobs, shared_token_counts
 from rlctl.kit.torch_options import TorchLearnerOptions
 from rlctl.models.device import placed, resolve_device
@@ -155,13 +155,8 @@ class TorchLearner:
 
     def _micro_batches(self, batch: TrainBatch):
         """Consecutive slices of ``batch``: ``micro_batch_size`` rows, or packed under ``micro_batch_tokens``."""
-        size = self.micro_batch_size
-        if self.micro_batch_tokens is not None:
-            for rows in pack_rows(sequence_lengths(batch), self.micro_batch_tokens, size):
-                yield batch.select(rows)
-            return
-        for start in range(0, batch.num_sequences, size):
-            yield batch.select(range(start, min(start + size, batch.num_sequences)))
+        for rows in micro_batch_rows(sequence_lengths(batch), self.micro_batch_size, self.micro_batch_tokens):
+            yield batch.select(rows)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -137,7 +137,8 @@ def build_critic(config: RunConfig, plugins: Plugins, policy_dir: Path) -> Criti
                          ctx=CriticContext(model_dir=str(model_dir), critic=config.algo.critic,
                                            optim=config.train.optim, seed=config.run.seed,
                                            micro_batch_size=config.algo.micro_batch_size,
-                                           deterministic=config.train.deterministic))
+                                           deterministic=config.train.deterministic,
+                                           micro_batch_tokens=config.train.micro_batch_tokens))
 
 
 def sampling_config(config: RunConfig) -> SamplingConfig:

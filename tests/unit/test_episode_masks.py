@@ -15,7 +15,8 @@ Trajectory-like rows with turns laid out by hand, the tiny test policy) pin:
     conditioned on the whole context, environment tokens included);
 (d) packed (train.micro_batch_tokens) and padded learners agree on episodes
     within 1e-6 relative, with and without prefill sharing;
-and that the critic regresses only on policy tokens and DAPO's overlong
+and that the critic regresses only on policy tokens (padded and packed, which
+agree) and DAPO's overlong
 penalty measures an episode by its longest policy turn.
 """
 
@@ -33,7 +34,9 @@ from rlctl.contracts.batch import AdvantageInputs
 from rlctl.contracts.types import SamplingConfig, TerminalReason, Trajectory, Turn, Writer
 from rlctl.engine.batching import build_batch, sampled_lengths
 from rlctl.engine.estimation import estimate
-from tests.unit.test_packed_micro_batches import ESTIMATORS, compare, make
+from tests.unit.test_packed_micro_batches import (
+    CRITIC_METRICS, ESTIMATORS, compare, compare_critics, make, make_critic,
+)
 
 P, E = Writer.POLICY, Writer.ENV
 # (writer, length) spans of the G = 4 episodes of each of two prompts: interior environment turns, a plain
@@ -377,10 +380,12 @@ def test_prefill_sharing_gives_the_plain_forwards_log_probs_on_episodes(session,
 
 # -- the critic and DAPO's length ---------------------------------------------------------------------------------
 
-def test_the_critic_regresses_only_on_policy_tokens(session, plugins, batch):
+@pytest.mark.parametrize("tokens", [None, 40], ids=["padded", "packed"])
+def test_the_critic_regresses_only_on_policy_tokens(session, plugins, batch, tokens):
     from rlctl.placement.build import build_critic
 
     cfg = config(session, "ppo", "reward")
+    cfg.train = cfg.train.model_copy(update={"micro_batch_tokens": tokens})
     critics = [build_critic(cfg, plugins, session.policy_dir) for _ in range(2)]
     values = critics[0].values(batch)
     assert float(values[batch.action_mask == 0].abs().max()) == 0.0
@@ -393,6 +398,16 @@ def test_the_critic_regresses_only_on_policy_tokens(session, plugins, batch):
     assert a == b
     sa, sb = critics[0].model.state_dict(), critics[1].model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_packed_and_padded_critics_agree_on_episodes(session, plugins, batch):
+    """Values, value loss, clipping and gradients of a packed critic on the episodes (several micro-batches)
+    equal the padded critic's within 1e-6 relative (float64)."""
+    packed = make_critic(session, plugins, tokens=40)
+    assert len(list(packed._micro(batch))) > 2
+    compare_critics(packed, make_critic(session, plugins, size=3), batch, ("critic_grad_norm", "value_mean"))
+    one = make_critic(session, plugins, tokens=10_000)
+    compare_critics(one, make_critic(session, plugins), batch, CRITIC_METRICS)
 
 
 def test_dapo_overlong_penalty_measures_an_episode_by_its_longest_policy_turn(session, plugins):

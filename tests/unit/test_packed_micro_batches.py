@@ -283,3 +283,81 @@ def test_learner_token_counts_for_rlctl_profile(session, plugins, batch):
     packed_shared = step(make(session, plugins, tokens=10_000, share=True), batch)[0]
     assert packed_shared["learner_padding_waste"] == 0.0
     assert packed_shared["learner_real_tokens"] < packed["learner_real_tokens"]  # a shared prompt forwards once
+
+
+# -- the critic (algo.name: ppo) packs its micro-batches like the policy learner --------------------------------------
+
+CRITIC_METRICS = ("value_loss", "value_clip_fraction", "critic_grad_norm", "explained_variance", "value_mean")
+
+
+def make_critic(session, plugins, tokens: int | None = None, size: int = 16, clip: float | None = 0.2,
+                fp64: bool = True):
+    """The torch critic of a ppo config, its head drawn at random (zero-initialised, the backbone would get no
+    gradient at the first step), in float64 like the policy above."""
+    from rlctl.placement.build import build_critic
+
+    cfg = session.config.model_copy(deep=True)
+    cfg.algo = cfg.algo.model_copy(update={"name": "ppo", "micro_batch_size": size})
+    cfg.algo.critic = cfg.algo.critic.model_copy(update={"value_clip": clip, "epochs": 2})
+    cfg.train = cfg.train.model_copy(update={"micro_batch_tokens": tokens})
+    cfg.train.optim = cfg.train.optim.model_copy(update={"grad_clip": 1e6})
+    critic = build_critic(cfg, plugins, session.policy_dir)
+    assert critic.micro_batch_tokens == tokens
+    head = critic.model.head
+    with torch.no_grad():
+        head.weight.copy_(0.3 * torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(7)))
+    if fp64:
+        critic.model.double()
+    return critic
+
+
+def critic_targets(batch, values: torch.Tensor, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns and old values on the trained tokens, far enough from the values that the clip bites."""
+    gen = torch.Generator().manual_seed(seed)
+    on = batch.action_mask > 0
+    returns = torch.where(on, torch.randn(values.shape, generator=gen), 0.0)
+    old = torch.where(on, values + 0.4 * torch.randn(values.shape, generator=gen), 0.0)
+    return returns, old
+
+
+def compare_critics(packed, padded, batch, metrics: tuple[str, ...]) -> None:
+    """Values before, the step's metrics and gradients (of its last epoch), and the values after the step."""
+    v1, v2 = packed.values(batch), padded.values(batch)
+    close(v1, v2, "values")
+    assert float(v1[batch.action_mask == 0].abs().max()) == 0.0  # no value off the policy's tokens
+    returns, old = critic_targets(batch, v2)
+    s1, s2 = packed.train_step(batch, returns, old), padded.train_step(batch, returns, old)
+    assert s2["value_clip_fraction"] > 0.05 or padded.cfg.value_clip is None  # the clipped branch is exercised
+    for key in metrics:
+        close(torch.tensor(s1[key]), torch.tensor(s2[key]), key, floor=RTOL)
+    g1 = {n: p.grad for n, p in packed.model.named_parameters() if p.grad is not None}
+    g2 = {n: p.grad for n, p in padded.model.named_parameters() if p.grad is not None}
+    assert g1.keys() == g2.keys() and any(n.startswith("backbone.") for n in g1)
+    for name in g1:
+        close(g1[name], g2[name], name)
+    close(packed.values(batch), padded.values(batch), "values after the step")
+
+
+@pytest.mark.parametrize("clip", [0.2, None], ids=["value-clip", "no-clip"])
+def test_one_packed_critic_micro_batch_equals_the_padded_one(session, plugins, batch, clip):
+    packed = make_critic(session, plugins, tokens=10_000, clip=clip)
+    assert len(list(packed._micro(batch))) == 1
+    compare_critics(packed, make_critic(session, plugins, clip=clip), batch, CRITIC_METRICS)
+
+
+def test_several_packed_critic_micro_batches_give_the_same_values_and_gradients(session, plugins, batch):
+    packed = make_critic(session, plugins, tokens=45)
+    assert len(list(packed._micro(batch))) > 3
+    # the micro-batches are cut from each epoch's shuffled row order, so the partitions differ from the padded one;
+    # each micro-batch's loss is weighted by its share of the trained tokens, so the gradient is the same sum
+    compare_critics(packed, make_critic(session, plugins, size=5), batch,
+                    ("critic_grad_norm", "explained_variance", "value_mean"))
+
+
+def test_packed_critic_micro_batches_hold_whole_rows_under_the_budget(session, plugins, batch):
+    critic = make_critic(session, plugins, tokens=45, size=4, fp64=False)
+    order = torch.randperm(batch.num_sequences, generator=torch.Generator().manual_seed(0))
+    lengths = batch.attention_mask.sum(-1)
+    micros = list(critic._micro(batch, order))
+    assert torch.equal(torch.cat(micros), order)  # every row once, in the shuffled order
+    assert all(len(m) <= 4 and (int(lengths[m].sum()) <= 45 or len(m) == 1) for m in micros)
