@@ -15,6 +15,8 @@ from rlctl.contracts.errors import (
     RoleError,
     RolloutUnavailable,
     RunbookError,
+    ToolError,
+    BadToolCall,
 )
 from rlctl.contracts.types import (
     CriticContext,
@@ -63,5 +65,7 @@ __all__ = [
     "RoleError",
     "RolloutUnavailable",
     "RunbookError",
+    "ToolError",
+    "BadToolCall",
     "__version__",
 ]

@@ -1,5 +1,5 @@
 """Built-in reward functions: "math", "digit_credit", "format", "length", "code" and
-"reward_model".
+"reward_model"; and the ``python`` tool (it runs code in this plugin's sandbox).
 
 What this is: the entry point ``rewards = "rlctl_rewards.plugin"``; it registers
 each reward with its options model, exactly as a third-party plugin would.
@@ -18,6 +18,7 @@ from rlctl_rewards.digit_credit import DigitCreditReward
 from rlctl_rewards.format import FormatOptions, FormatReward
 from rlctl_rewards.length import LengthOptions, LengthPenalty
 from rlctl_rewards.math import MathOptions, MathReward
+from rlctl_rewards.python_tool import PythonTool, PythonToolOptions
 from rlctl_rewards.reward_model import RewardModelOptions, RewardModelReward
 
 
@@ -33,3 +34,9 @@ def register_reward_functions(register: Callable[..., None]) -> None:
     register("length", LengthPenalty, options=LengthOptions)
     register("code", CodeReward, options=CodeOptions)
     register("reward_model", RewardModelReward, options=RewardModelOptions)
+
+
+@hookimpl
+def register_tools(register: Callable[..., None]) -> None:
+    """Register the ``python`` tool (multi-turn environments call it; it runs code in the sandbox)."""
+    register("python", PythonTool, options=PythonToolOptions)

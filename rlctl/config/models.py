@@ -81,6 +81,13 @@ class TaskConfig(_Strict):
         "by length so a step's prompts have similar lengths (less padding), in a seeded, resumable order.")
 
 
+class EnvironmentConfig(_Strict):
+    """The environment that turns every sample into a multi-turn episode (docs/environments.md)."""
+
+    name: str = Field(description="Registered environment name (built in: tools).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the environment.")
+
+
 class RolloutConfig(_Strict):
     backend: str = Field("local", description="Registered rollout backend name.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
@@ -93,6 +100,9 @@ class RolloutConfig(_Strict):
         "null keeps the graded reward.",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="Validated by the backend.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn episodes: the policy writes, the environment (e.g. a tool) answers, until "
+        "done or a limit; max_tokens then bounds the whole episode. null = single-turn samples.")
 
 
 class RewardComponentConfig(_Strict):

@@ -73,6 +73,15 @@ class ToolError(RoleError):
     """
 
 
+class BadToolCall(ToolError):
+    """The policy's call is wrong (unparsable, an unknown tool, a bad expression, code that raised).
+
+    Not an infrastructure failure: the environment shows the message to the
+    policy as a normal observation (``tool_status`` "invalid") and the episode
+    goes on and is scored; the policy can learn from it.
+    """
+
+
 class RunbookError(RlctlError):
     """A runbook is malformed or its check failed."""
 
@@ -102,4 +111,5 @@ __all__ = [
     "RolloutUnavailable",
     "RunbookError",
     "ToolError",
+    "BadToolCall",
 ]  # WorkerLost and LearnerLost are signals between the placement and the loops, never shown to users

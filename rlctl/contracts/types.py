@@ -14,7 +14,7 @@ import enum
 import hashlib
 from array import array
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -185,7 +185,9 @@ class Trajectory:
     the engine saw them (never re-tokenized from text); ``turns`` splits them
     into spans by writer; ``action_mask`` is 0 and ``behavior_logprobs`` 0.0 on
     environment tokens. ``policy_version`` is the oldest policy turn's version
-    (the staleness bound applies to it). ``turns == ()`` is a single-turn
+    (the staleness bound applies to it). An episode's ``response_text`` is the
+    final answer: what the policy wrote after the last environment turn (what
+    rewards grade; the whole transcript is ``response_tokens`` split by ``turns``). ``turns == ()`` is a single-turn
     sample: one policy span at ``policy_version``. ``checksum`` is
     a sha256 of every other field; build with ``Trajectory.create`` and update
     with ``Trajectory.updated`` so it stays right.
@@ -489,6 +491,22 @@ class RolloutContext:
     tokenizer_hash: str
     seed: int
     policy_version: int = 0
+
+
+@dataclass(**_FROZEN)
+class EnvironmentContext:
+    """What an environment factory receives besides its validated options.
+
+    ``tokenizer`` is the run's (Hugging Face) tokenizer: an environment encodes
+    only the text it writes itself with it, never the policy's text (None
+    when a config is only being checked: build and validate, encode nothing).
+    ``build_tool(name, options, where)`` builds a registered tool by name with
+    its options validated (``where`` names the config path in errors).
+    """
+
+    tokenizer: Any
+    build_tool: Callable[[str, Mapping[str, Any], str], Any]
+    seed: int = 0
 
 
 @dataclass(**_FROZEN)

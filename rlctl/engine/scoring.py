@@ -4,7 +4,9 @@ What this is: calls the configured ``MixedReward`` on each trajectory, applies
 the truncation rule (responses cut at max_tokens get ``truncation_penalty``
 instead of their graded reward), and records components, grader version and
 errors on the trajectory. An error is kept as ``reward_error``: the sample is
-excluded from the advantage, never scored as a silent zero.
+excluded from the advantage, never scored as a silent zero. An episode whose
+tool call failed for good (rlctl.engine.episodes.episode_failure; the driver
+already retried it) is not graded: ``reward_error`` "tool_timeout: ..." etc.
 
 What this is not: a reward function (plugins/rlctl_rewards) or a sandbox.
 """
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from rlctl.contracts.roles import BatchRewardFunction, RewardFunction
 from rlctl.contracts.types import RewardResult, TerminalReason, Trajectory
+from rlctl.engine.episodes import episode_failure
 
 if TYPE_CHECKING:
     from rlctl.engine.reward_pool import RewardPool
@@ -30,7 +33,8 @@ def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str],
     results, same order); without it, in this process, through ``score_batch``
     when the reward has one (the mixed reward does) and one by one otherwise.
     """
-    todo = [t for t in trajectories if t.terminal_reason is not TerminalReason.ABORT]
+    flagged = {id(t): why for t in trajectories if t.turns and (why := episode_failure(t)) is not None}
+    todo = [t for t in trajectories if t.terminal_reason is not TerminalReason.ABORT and id(t) not in flagged]
     graded = None
     if pool is not None:
         graded = iter(pool.score(todo, [references[t.prompt_id] for t in todo]))
@@ -41,6 +45,10 @@ def score_all(trajectories: Sequence[Trajectory], references: Mapping[str, str],
         started = time.perf_counter()
         if traj.terminal_reason is TerminalReason.ABORT:
             scored.append(traj.updated(reward_error="aborted", scored_at=time.time()))
+            latencies.append(0.0)
+            continue
+        if id(traj) in flagged:  # a tool call failed for good: unscored (its group is dropped), never a 0
+            scored.append(traj.updated(reward_error=flagged[id(traj)], scored_at=time.time()))
             latencies.append(0.0)
             continue
         if graded is not None:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from rlctl.config.models import RunConfig
 from rlctl.contracts.types import PromptRecord, RolloutContext, RolloutRequest, SamplingConfig, TaskData
+from rlctl.engine.episodes import build_rollout
 from rlctl.hooks.manager import Plugins
 
 
@@ -50,9 +51,9 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
     from rlctl.models.tokenizer import tokenizer_hash
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
-                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
-                                               seed=config.run.seed))
+    backend = build_rollout(plugins, config.rollout, RolloutContext(
+        model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir), seed=config.run.seed),
+        retries=config.faults.verifier_retries)
     sampling = SamplingConfig(temperature=0.0, max_tokens=config.eval.max_tokens)
     requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=1,
                                sampling=sampling, dataset_version=task.version) for r in records]
@@ -129,9 +130,9 @@ def sample_policy(policy_dir: Path, config: RunConfig, plugins: Plugins, task: T
     from rlctl.models.tokenizer import tokenizer_hash
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-    backend = plugins.build("rollout_backend", config.rollout.backend, config.rollout.options, "rollout.options",
-                            ctx=RolloutContext(model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir),
-                                               seed=config.run.seed))
+    backend = build_rollout(plugins, config.rollout, RolloutContext(
+        model_dir=str(policy_dir), tokenizer_hash=tokenizer_hash(policy_dir), seed=config.run.seed),
+        retries=config.faults.verifier_retries)
     sampling = SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
                               max_tokens=config.eval.max_tokens)
     requests = [RolloutRequest(prompt_id=r.id, prompt_tokens=tuple(tokenizer(r.text)["input_ids"]), group_size=n,

@@ -176,6 +176,15 @@ def learner_context(config: RunConfig, estimator: AdvantageEstimator, policy_dir
                           rank_launcher=rank_launcher, micro_batch_tokens=config.train.micro_batch_tokens)
 
 
+def check_environment(config: RunConfig, plugins: Plugins) -> None:
+    """Fail before any model work on an unknown environment or tool name or bad options: the environment and
+    its tools are built once, without a tokenizer (``EnvironmentContext.tokenizer`` None)."""
+    from rlctl.engine.episodes import build_environment
+
+    if config.rollout.environment is not None:
+        build_environment(plugins, config.rollout.environment, tokenizer=None, seed=config.run.seed)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Common:
     """What every placement builds the same way, in the driver's process, before it places rollout and learner."""
@@ -195,8 +204,10 @@ class Common:
 
     def build_rollout(self, plugins: Plugins, index: int = 0) -> RolloutBackend:
         """A rollout backend in this process (worker ``index``)."""
-        r = self.config.rollout
-        return plugins.build("rollout_backend", r.backend, r.options, "rollout.options", ctx=self.rollout_context(index))
+        from rlctl.engine.episodes import build_rollout
+
+        return build_rollout(plugins, self.config.rollout, self.rollout_context(index),
+                             retries=self.config.faults.verifier_retries)
 
     def roles(self, plugins: Plugins, *, rollout: RolloutBackend, learner: LearnerBackend,
               critic: CriticBackend | None, reward_pool: Any) -> Roles:
@@ -226,6 +237,7 @@ def build_common(config: RunConfig, plugins: Plugins, cache_root: Path,
     # the rollout backend is built after the starting policy (its context needs it); its options are checked now
     validate_options(plugins.get("rollout_backend", config.rollout.backend).options, config.rollout.options,
                      "rollout.options")
+    check_environment(config, plugins)
     task = task or load_task(config, plugins, reward)
     policy_dir = resolve_policy_dir(config, task, cache_root, progress)
     tok_hash = tokenizer_hash(policy_dir)

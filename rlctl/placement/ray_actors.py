@@ -133,14 +133,17 @@ def reconstructed() -> bool:
 class RolloutActor:
     """Hosts one rollout backend built from the plugin registry inside the actor's process."""
 
-    def __init__(self, backend: str, options: Mapping[str, Any], ctx: RolloutContext, threads: int,
-                 faults: Any = None) -> None:
+    def __init__(self, rollout: Any, ctx: RolloutContext, threads: int, faults: Any = None,
+                 retries: int = 0) -> None:
         set_threads(threads)
+        from rlctl.engine.episodes import build_rollout
         from rlctl.hooks.manager import load_plugins
 
         self.plugins = load_plugins()
         self._disarm = arm_faults(faults, self.plugins)  # the broker's plan now: a restart gets live-armed faults
-        self.backend = self.plugins.build("rollout_backend", backend, options, "rollout.options", ctx=ctx)
+        # ``rollout`` is the run's rollout config section: its backend, wrapped in the episode driver when it
+        # names an environment (retries: the verifier policy's, for failed tool calls)
+        self.backend = build_rollout(self.plugins, rollout, ctx, retries=retries)
         self.reset = reconstructed()  # refuses to generate until the driver loads the current weights
 
     def arm(self, faults: Any) -> None:

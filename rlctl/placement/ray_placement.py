@@ -267,8 +267,8 @@ class RayPlacement:
         self.actors = [RolloutActor.options(
             num_cpus=cfg.rollout_num_cpus, num_gpus=cfg.rollout_num_gpus, max_restarts=cfg.max_restarts,
             max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, first + i),
-        ).remote(config.rollout.backend, config.rollout.options, common.rollout_context(i),
-                 max(1, int(cfg.rollout_num_cpus)), faults) for i in range(cfg.num_rollout_workers)]
+        ).remote(config.rollout, common.rollout_context(i), max(1, int(cfg.rollout_num_cpus)), faults,
+                 config.faults.verifier_retries) for i in range(cfg.num_rollout_workers)]
         critic = build_critic(config, plugins, common.policy_dir) if common.estimator.needs_critic else None
         if config.reward.workers > 1:  # graders as actors
             r = config.reward

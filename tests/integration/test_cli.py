@@ -125,4 +125,6 @@ def test_plugins_lists_builtins_as_json(home):
     names = {p["name"]: p for p in data["plugins"]}
     assert {"tasks", "rewards", "local_engine", "torch_learner", "sinks"} <= set(names)
     assert names["rewards"]["registers"]["reward function"] == ["code", "digit_credit", "format", "length", "math", "reward_model"]
+    assert names["rewards"]["registers"]["tool"] == ["python"]
+    assert names["envs"]["registers"] == {"environment": ["tools"], "tool": ["calculator"]}
     assert names["local_engine"]["version"] and names["local_engine"]["builtin"] is True

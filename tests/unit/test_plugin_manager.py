@@ -33,10 +33,14 @@ BUILTINS = {
     "advantage_estimator": ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"],
     "fault": ["bad-checkpoint", "learner-crash", "nan", "network-partition", "oom", "slow-learner", "slow-rollout",
               "verifier-error", "verifier-timeout", "weight-sync-failure", "worker-crash"],
+    "environment": ["tools"],
+    "tool": ["calculator", "python"],
 }
 BUILTIN_PLUGINS = {
     "tasks": {"task source": ("arith", "hf_disk", "humaneval", "jsonl", "parquet")},
-    "rewards": {"reward function": ("code", "digit_credit", "format", "length", "math", "reward_model")},
+    "rewards": {"reward function": ("code", "digit_credit", "format", "length", "math", "reward_model"),
+                "tool": ("python",)},
+    "envs": {"environment": ("tools",), "tool": ("calculator",)},
     "local_engine": {"rollout backend": ("local",)},
     "sglang": {"rollout backend": ("sglang",)},
     "vllm": {"rollout backend": ("vllm",)},

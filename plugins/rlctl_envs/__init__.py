@@ -1,0 +1,1 @@
+"""rlctl_envs plugin package: the ``tools`` environment and the ``calculator`` tool."""
