@@ -159,7 +159,12 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
     accuracy = None
     for step in range(steps):
         idx = torch.randint(len(encoded), (batch_size,), generator=gen).tolist()
-        loss = sft_loss(model, *_pad([encoded[i] for i in idx], tokenizer.pad_token_id))
+        parts = [_pad(rows, tokenizer.pad_token_id) for rows in _split_by_length([encoded[i] for i in idx])]
+        if len(parts) == 1:
+            loss = sft_loss(model, *parts[0])
+        else:  # the same token mean as one padded batch, computed on two less padded ones
+            counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in parts]
+            loss = sum(sft_loss(model, *part) * n for part, n in zip(parts, counts)) / sum(counts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -235,6 +240,20 @@ def _encode(tokenizer: Any, record: PromptRecord) -> tuple[list[int], list[bool]
         piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         ids, trained = ids + piece_ids, trained + [policy] * len(piece_ids)
     return ids + [tokenizer.eos_token_id], trained + [True]
+
+
+def _split_by_length(rows: list[tuple[list[int], list[bool]]]) -> list[list[tuple[list[int], list[bool]]]]:
+    """The batch as one block, or as (short rows, long rows) when two blocks pad at most half as many tokens.
+
+    A few long tool-using demonstrations among short direct answers would
+    otherwise pad every row to their length."""
+    lengths = sorted(len(ids) for ids, _ in rows)
+    whole = len(rows) * lengths[-1]
+    best, cut = min((k * lengths[k - 1] + (len(rows) - k) * lengths[-1], lengths[k - 1])
+                    for k in range(1, len(rows) + 1))
+    if best > whole / 2:
+        return [rows]
+    return [[r for r in rows if len(r[0]) <= cut], [r for r in rows if len(r[0]) > cut]]
 
 
 def _pad(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[Any, Any, Any]:

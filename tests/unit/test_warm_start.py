@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlctl.config.load import load_config
-from rlctl.models.warm_start import (ENV_SPAN, WarmStartWarning, _encode, _pad, builtin_policy_dir,
-                                     demonstration_spans, greedy_accuracy, sft, sft_loss, warm_start_info,
-                                     warm_start_key)
+from rlctl.models.warm_start import (ENV_SPAN, WarmStartWarning, _encode, _pad, _split_by_length,
+                                     builtin_policy_dir, demonstration_spans, greedy_accuracy, sft, sft_loss,
+                                     warm_start_info, warm_start_key)
 from rlctl_tasks.arith import ArithOptions, ArithTask
 
 SHAPE = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -163,3 +163,23 @@ def test_cache_key_covers_the_environment_mask_only_when_demonstrations_call_too
     quickstart = load_config("configs/quickstart.yaml", [])
     data = ArithTask(ArithOptions(**quickstart.task.options)).load()
     assert warm_start_key(quickstart.model, data, 0) == "ceeb83093254e4af"  # measured before tool demonstrations
+
+
+def test_a_batch_of_short_answers_and_a_few_tool_calls_is_padded_in_two_blocks_with_the_same_loss() -> None:
+    import torch
+
+    from rlctl import PromptRecord, Split
+
+    model, tok = fresh_model()
+    direct = [PromptRecord(id=f"d{i}", text=f"{i}*7=", answer=str(7 * i), split=Split.TRAIN) for i in range(12)]
+    tools = [PromptRecord(id=f"t{i}", text=f"{i}*7=", answer=str(7 * i), split=Split.TRAIN,
+                          demonstration=f"<calc>{i}*7</calc><out>{7 * i}</out>{7 * i}") for i in range(3)]
+    rows = [_encode(tok, r) for r in direct + tools]
+    blocks = _split_by_length(rows)
+    assert [len(b) for b in blocks] == [12, 3]
+    assert _split_by_length([_encode(tok, r) for r in direct]) == [[_encode(tok, r) for r in direct]]  # no gain
+    parts = [_pad(b, tok.pad_token_id) for b in blocks]
+    counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in parts]
+    split = sum(sft_loss(model, *p) * n for p, n in zip(parts, counts)) / sum(counts)
+    with torch.no_grad():
+        assert float(split) == pytest.approx(float(sft_loss(model, *_pad(rows, tok.pad_token_id))), rel=1e-5)
