@@ -82,7 +82,8 @@ class EpisodeState(Protocol):
     engine sampled them, and returns what the environment appends (token ids,
     never the policy's text re-tokenized). It must return within the
     environment's ``step_timeout_s``; a tool that fails is reported in
-    ``EnvStep.tool_status``, not hidden.
+    ``EnvStep.tool_status``, not hidden, and leaves the state as it was: the
+    episode driver may run the same step again (the verifier retry policy).
     """
 
     def step(self, policy_tokens: Sequence[int]) -> "EnvStep": ...

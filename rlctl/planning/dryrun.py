@@ -179,6 +179,13 @@ def validate(config: RunConfig, plugins: Plugins, home: Path) -> tuple[list[Chec
         checks.append(Check(f"plugin {kind}", True, f"{name!r} from {comp.plugin}, options valid"))
     for i, (sink, opts) in enumerate(sink_specs(config.train.metric_sinks)):
         validate_options(plugins.get("metric_sink", sink).options, opts, f"train.metric_sinks.{i}.options")
+    if config.rollout.environment is not None:
+        from rlctl.placement.build import check_environment
+
+        check_environment(config, plugins)
+        env = config.rollout.environment
+        checks.append(Check("environment", True, f"{env.name!r} from {plugins.get('environment', env.name).plugin}, "
+                            "options and tools valid"))
     from rlctl.placement.build import build_estimator
 
     estimator = build_estimator(config, plugins)
