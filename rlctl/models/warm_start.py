@@ -2,9 +2,10 @@
 
 What this is: a short SFT stage on the train split (loss on the answer's
 policy-written tokens only: a tool-using demonstration's ``<out>...</out>`` is
-the environment's and is masked) that gives the tiny model a starting policy GRPO can improve, and the
-cache that makes it run once per (model shape, warm-start settings including
-the stopping rule, dataset version, seed). With ``target_dev_accuracy`` the
+the environment's and is masked) that gives the tiny model a starting policy
+GRPO can improve, and the cache that makes it run once per (model shape,
+warm-start settings including the stopping rule, dataset version, seed; and
+the environment mask when demonstrations call tools). With ``target_dev_accuracy`` the
 stage stops on a dev-split target instead of a step count: a fixed step count
 lands at different accuracies on CPUs with different kernels, a target lands
 every CPU at about the same starting policy. The cache entry is written
