@@ -4,7 +4,10 @@ What this is: a TaskSource that draws unique expressions such as ``57+38-12=``
 with integer answers and splits them into train / dev / hidden. The hidden
 split is disjoint from train and dev by construction (one pool of unique
 expressions is partitioned). The dataset version is a hash of every prompt,
-answer and split plus the options that produced them.
+answer and split plus the options that produced them. With
+``tool_demo_fraction`` a share of the train demonstrations call a calculator in
+the ``tools`` environment's syntax (``<calc>37*48</calc><out>1776</out>1776``):
+the warm start of configs/quickstart-tools.yaml.
 
 What this is not: a general math dataset. Real data comes through the
 ``jsonl`` source.
@@ -43,6 +46,18 @@ class ArithOptions(BaseModel):
         description="Probability that a train demonstration (the SFT target) of a negative answer comes from "
         "a sloppy teacher that drops the minus sign. Models systematic errors in real SFT data; the "
         "verifier's reference answers are always exact. 0 = clean demonstrations.",
+    )
+    tool_demo_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Share of train rows (exactly this fraction, seeded) whose demonstration calls a calculator "
+        "in the `tools` environment's syntax, `<TAG>37*48</TAG><out>1776</out>1776`, instead of answering "
+        "directly (`1776`); the warm start trains only on the policy's part of it (not `<out>...</out>`). "
+        "0 = no tool demonstrations.",
+    )
+    tool_tag: str = Field(
+        "calc", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The tool name the demonstrations call: the key of the calculator in "
+        "rollout.environment.options.tools.",
     )
 
     @model_validator(mode="after")
@@ -110,11 +125,13 @@ class ArithTask:
         cut1, cut2 = opts.num_hidden, opts.num_hidden + opts.num_dev
         splits = {Split.HIDDEN: pool[:cut1], Split.DEV: pool[cut1:cut2], Split.TRAIN: pool[cut2:]}
         teacher = random.Random(f"{opts.seed}/teacher")
+        num_tool = round(opts.tool_demo_fraction * opts.num_train)
+        tool_rows = set(random.Random(f"{opts.seed}/tool").sample(range(opts.num_train), num_tool))
         records = {
             split: tuple(
                 PromptRecord(id=f"arith-{split.value}-{i}", text=f"{expr}=", answer=ans, split=split,
-                             demonstration=_weak_teacher(ans, teacher, opts.teacher_sign_error)
-                             if split is Split.TRAIN and opts.teacher_sign_error > 0 else None)
+                             demonstration=_demonstration(opts, expr, ans, teacher, i in tool_rows)
+                             if split is Split.TRAIN else None)
                 for i, (expr, ans) in enumerate(rows)
             )
             for split, rows in splits.items()
@@ -122,6 +139,8 @@ class ArithTask:
         options = opts.model_dump()
         if opts.operand_mix is None:
             del options["operand_mix"]  # unset: the same version as before the option existed
+        if opts.tool_demo_fraction == 0:
+            del options["tool_demo_fraction"], options["tool_tag"]  # likewise
         version = dataset_version("arith", options, records)
         return TaskData(
             name="arith", version=version,
@@ -175,6 +194,19 @@ def _draw(rng: random.Random, opts: ArithOptions) -> str:
         parts.append(rng.choice(opts.ops))
         parts.append(str(rng.randint(0, opts.max_operand)))
     return "".join(parts)
+
+
+def _demonstration(opts: ArithOptions, expr: str, answer: str, teacher: random.Random, tool: bool) -> str | None:
+    """A train row's SFT target: None (the answer itself) unless the teacher is sloppy or the row calls the tool.
+
+    A tool row is written the way an episode of the ``tools`` environment reads:
+    the policy's call ``<TAG>EXPR</TAG>``, the environment's ``<out>RESULT</out>``,
+    then the policy's final answer (the warm start masks the environment's part).
+    """
+    final = _weak_teacher(answer, teacher, opts.teacher_sign_error) if opts.teacher_sign_error > 0 else answer
+    if tool:
+        return f"<{opts.tool_tag}>{expr}</{opts.tool_tag}><out>{answer}</out>{final}"
+    return final if opts.teacher_sign_error > 0 else None
 
 
 def _weak_teacher(answer: str, rng: random.Random, error: float) -> str:

@@ -126,6 +126,9 @@ def render_eval(record: EvalRecord, details: Mapping[str, Any]) -> None:
     excludes = record.ci_low > 0 or record.ci_high < 0
     verdict = "excludes 0" if excludes else "includes 0: no significant difference"
     _output.console.print(f"CI {verdict}; wins {details.get('wins', '?')}, losses {details.get('losses', '?')}")
+    rate = details.get("tool_call_rate")
+    if rate:  # episodes: the share of prompts on which the greedy policy called a tool
+        _output.console.print(f"tool-call rate: start {rate['start']:.1%} -> final {rate['final']:.1%}")
     apart = details.get("eval_grader")
     if apart:  # eval.grader: the training reward vs the kept-apart eval score on the same answers
         name = f"{apart['final']['eval_grader']} ({apart['final']['eval_grader_version']})"

@@ -90,6 +90,10 @@ def render_group(evaluation: Any, group: Optional[str]) -> None:
              + (f", seed group {group}" if group else ""))
     _output.console.print(_output.table(title, ["run (RL seed)", "warm start (%)", "after RL (%)", "gain (points)",
                                                 "paired bootstrap 95% CI", "wins/losses"], rows))
+    rates = [d["tool_call_rate"] for _, d in evaluation.evals if "tool_call_rate" in d]
+    if rates:  # episodes: the share of prompts on which the greedy policy called a tool
+        start, final = (sum(r[k] for r in rates) / len(rates) for k in ("start", "final"))
+        _output.console.print(f"tool-call rate (mean over runs): start {start:.1%} -> final {final:.1%}")
     positive = sum(r.diff > 0 for r, _ in evaluation.evals)
     line = f"gain positive in {positive} of {len(evaluation.evals)} seeds"
     if pooled is not None:

@@ -68,8 +68,10 @@ def evaluate_runs(registry: Registry, plugins: Plugins, run_ids: Sequence[str], 
         prompt_ids = ids
         pairs.append((base.correct, final.correct))
         registry.add_eval(record)
+        calls = (f"; tool-call rate {base.tool_call_rate:.3f} -> {final.tool_call_rate:.3f}"
+                 if final.tool_call_rate is not None else "")
         registry.add_event(run.id, "eval", f"{record.split} pass@1 {base.pass_at_1:.3f} -> {final.pass_at_1:.3f} "
-                           f"(diff {record.diff:+.3f}, 95% CI [{record.ci_low:+.3f}, {record.ci_high:+.3f}])")
+                           f"(diff {record.diff:+.3f}, 95% CI [{record.ci_low:+.3f}, {record.ci_high:+.3f}]){calls}")
         out.append((record, details))
     result = GroupEval(evals=out, seeds=[r.seed for r in runs], wins=sum(d["wins"] for _, d in out),
                        losses=sum(d["losses"] for _, d in out))
@@ -113,6 +115,8 @@ class _Grader:
                    "failure_samples": failures, "wins": sum(f > b for b, f in zip(base.correct, final.correct)),
                    "losses": sum(f < b for b, f in zip(base.correct, final.correct)),
                    "baseline_dir": str(initial_dir), "candidate_dir": str(final_dir)}
+        if final.tool_call_rate is not None:  # episodes: how often each policy called a tool
+            details["tool_call_rate"] = {"start": base.tool_call_rate, "final": final.tool_call_rate}
         if final.apart is not None:  # eval.grader: pass@1 is its; the training reward on the same answers beside it
             details["eval_grader"] = {"start": base.apart, "final": final.apart}
         if self.ks:

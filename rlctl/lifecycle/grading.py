@@ -13,6 +13,7 @@ What this is not: registry bookkeeping (rlctl.lifecycle.evaluate).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,18 @@ class PolicyScores:
     correct: tuple[int, ...]  # 1/0 per prompt, in split order
     responses: tuple[str, ...]
     apart: dict[str, Any] | None = None  # with eval.grader: its name, version, mean score and the training reward
+    tool_calls: tuple[int, ...] | None = None  # episodes (rollout.environment): tool calls per prompt
+
     @property
     def pass_at_1(self) -> float:
         return sum(self.correct) / len(self.correct) if self.correct else 0.0
+
+    @property
+    def tool_call_rate(self) -> float | None:
+        """Share of prompts whose episode called a tool at least once; None for single-turn samples."""
+        if self.tool_calls is None:
+            return None
+        return sum(1 for n in self.tool_calls if n) / len(self.tool_calls) if self.tool_calls else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +71,23 @@ def grade_policy(name: str, policy_dir: Path, config: RunConfig, plugins: Plugin
         trajectories = backend.generate(requests)
     finally:
         backend.close()
+    calls = tool_calls(trajectories) if config.rollout.environment is not None else None
     if config.eval.grader is not None:
-        return _grade_apart(name, config, plugins, trajectories, records)
+        return dataclasses.replace(_grade_apart(name, config, plugins, trajectories, records), tool_calls=calls)
     grader = correctness_grader(config, plugins)
     correct = []
     for traj, rec in zip(trajectories, records):
         result = grader.score(traj, rec.answer)
         correct.append(int(result.ok and result.total >= 1.0))
-    return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories))
+    return PolicyScores(name=name, correct=tuple(correct), responses=tuple(t.response_text for t in trajectories),
+                        tool_calls=calls)
+
+
+def tool_calls(trajectories: Sequence[Any]) -> tuple[int, ...]:
+    """Per episode, the environment turns that answered a tool call (a call the policy wrote wrong included)."""
+    from rlctl.contracts.types import Writer
+
+    return tuple(sum(1 for t in traj.turns if t.writer is Writer.ENV) for traj in trajectories)
 
 
 def _grade_apart(name: str, config: RunConfig, plugins: Plugins, trajectories: Sequence[Any],

@@ -1,9 +1,11 @@
 """Supervised warm start of the built-in tiny model, cached by content.
 
-What this is: a short SFT stage on the train split (loss on answer tokens
-only) that gives the tiny model a starting policy GRPO can improve, and the
-cache that makes it run once per (model shape, warm-start settings including
-the stopping rule, dataset version, seed). With ``target_dev_accuracy`` the
+What this is: a short SFT stage on the train split (loss on the answer's
+policy-written tokens only: a tool-using demonstration's ``<out>...</out>`` is
+the environment's and is masked) that gives the tiny model a starting policy
+GRPO can improve, and the cache that makes it run once per (model shape,
+warm-start settings including the stopping rule, dataset version, seed; and
+the environment mask when demonstrations call tools). With ``target_dev_accuracy`` the
 stage stops on a dev-split target instead of a step count: a fixed step count
 lands at different accuracies on CPUs with different kernels, a target lands
 every CPU at about the same starting policy. The cache entry is written
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +33,9 @@ from rlctl.contracts.types import PromptRecord, TaskData
 # (step, total, loss) every step; a fourth argument, the dev accuracy, after each dev check
 Progress = Callable[..., None]
 INFO_FILE = "warm_start.json"
+# What the environment writes in a demonstration: the tools environment's reply to a tool call. SFT must not train
+# the policy to write it (in an episode those tokens come from the tool, and the policy's loss masks them).
+ENV_SPAN = re.compile(r"<out>.*?</out>", re.DOTALL)
 
 
 class WarmStartWarning(UserWarning):
@@ -53,14 +59,18 @@ def warm_start_seed(model: ModelConfig, seed: int) -> int:
 def warm_start_key(model: ModelConfig, task: TaskData, seed: int) -> str:
     """Cache key over the model shape, every warm-start setting (stopping rule included), data and seed.
 
-    Keyed on the records, not task.version: that also names the grader, which a warm start ignores."""
+    Keyed on the records, not task.version: that also names the grader, which a warm start ignores; and on the
+    rule that masks environment-written spans when the demonstrations have any."""
     dump = model.model_dump(mode="json")
     dump["warm_start"]["seed"] = warm_start_seed(model, seed)
     data = hashlib.sha256()
     for split in ("train", "dev", "hidden"):
         for r in task.split(split):
             data.update(f"{split}\x1f{r.id}\x1f{r.text}\x1f{r.sft_target}\x1e".encode())
-    body = json.dumps({"model": dump, "task": data.hexdigest(), "format": 2}, sort_keys=True)
+    keyed = {"model": dump, "task": data.hexdigest(), "format": 2}
+    if any(ENV_SPAN.search(r.sft_target) for r in task.train):  # what SFT masks; absent, old keys stay valid
+        keyed["env_span"] = ENV_SPAN.pattern
+    body = json.dumps(keyed, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -125,6 +135,9 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
         target: float | None = None, eval_every: int = 100) -> SftResult:
     """Teacher-forced cross-entropy on ``prompt -> answer<eos>`` for at most ``steps`` steps.
 
+    The loss covers the policy's tokens of the demonstration only: not the prompt
+    and not what an environment writes (``demonstration_spans``).
+
     With ``target``, greedy exact-answer accuracy on ``dev`` is checked every
     ``eval_every`` steps (and at the cap); training stops at the first check
     that reaches it. The learning-rate schedule is always the one of ``steps``
@@ -147,12 +160,12 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
     accuracy = None
     for step in range(steps):
         idx = torch.randint(len(encoded), (batch_size,), generator=gen).tolist()
-        ids, labels, mask = _pad([encoded[i] for i in idx], tokenizer.pad_token_id)
-        out = model(input_ids=ids, attention_mask=mask)
-        logits = out.logits[:, :-1].float()  # [B, T-1, V]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
+        parts = [_pad(rows, tokenizer.pad_token_id) for rows in _split_by_length([encoded[i] for i in idx])]
+        if len(parts) == 1:
+            loss = sft_loss(model, *parts[0])
+        else:  # the same token mean as one padded batch, computed on two less padded ones
+            counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in parts]
+            loss = sum(sft_loss(model, *part) * n for part, n in zip(parts, counts)) / sum(counts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -171,6 +184,15 @@ def sft(model: Any, tokenizer: Any, records: Sequence[PromptRecord], *, steps: i
     model.eval()
     reached = None if target is None else accuracy is not None and accuracy >= target
     return SftResult(steps=len(losses), losses=losses, dev_accuracy=accuracy, target=target, reached=reached)
+
+
+def sft_loss(model: Any, ids: Any, labels: Any, mask: Any) -> Any:
+    """Mean next-token cross-entropy over the positions whose label is not -100 (the policy's tokens)."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # [B, T-1, V]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                             ignore_index=-100)
 
 
 def greedy_accuracy(model: Any, tokenizer: Any, records: Sequence[PromptRecord], batch_size: int = 512) -> float:
@@ -197,21 +219,53 @@ def greedy_accuracy(model: Any, tokenizer: Any, records: Sequence[PromptRecord],
     return correct / len(records)
 
 
-def _encode(tokenizer: Any, record: PromptRecord) -> tuple[list[int], int]:
-    prompt = tokenizer(record.text)["input_ids"]
-    answer = tokenizer(record.sft_target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return prompt + answer, len(prompt)
+def demonstration_spans(text: str) -> list[tuple[str, bool]]:
+    """``text`` cut into (piece, written by the policy) in order: ``<out>...</out>`` spans are the environment's."""
+    spans: list[tuple[str, bool]] = []
+    at = 0
+    for match in ENV_SPAN.finditer(text):
+        spans += [(text[at:match.start()], True), (match.group(), False)]
+        at = match.end()
+    spans.append((text[at:], True))
+    return [(piece, policy) for piece, policy in spans if piece]
 
 
-def _pad(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[Any, Any, Any]:
+def _encode(tokenizer: Any, record: PromptRecord) -> tuple[list[int], list[bool]]:
+    """Token ids of ``prompt + demonstration + eos`` and, per id, whether SFT trains on it (policy-written only).
+
+    Each span is tokenized on its own, as an episode's ids are: the environment's
+    observation is appended to the policy's ids, never re-tokenized with them."""
+    ids = tokenizer(record.text)["input_ids"]
+    trained = [False] * len(ids)
+    for piece, policy in demonstration_spans(record.sft_target):
+        piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        ids, trained = ids + piece_ids, trained + [policy] * len(piece_ids)
+    return ids + [tokenizer.eos_token_id], trained + [True]
+
+
+def _split_by_length(rows: list[tuple[list[int], list[bool]]]) -> list[list[tuple[list[int], list[bool]]]]:
+    """The batch as one block, or as (short rows, long rows) when two blocks pad at most half as many tokens.
+
+    A few long tool-using demonstrations among short direct answers would
+    otherwise pad every row to their length."""
+    lengths = sorted(len(ids) for ids, _ in rows)
+    whole = len(rows) * lengths[-1]
+    best, cut = min((k * lengths[k - 1] + (len(rows) - k) * lengths[-1], lengths[k - 1])
+                    for k in range(1, len(rows) + 1))
+    if best > whole / 2:
+        return [rows]
+    return [[r for r in rows if len(r[0]) <= cut], [r for r in rows if len(r[0]) > cut]]
+
+
+def _pad(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (seq, n_prompt) in enumerate(rows):
+    for i, (seq, trained) in enumerate(rows):
         ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, n_prompt: len(seq)] = torch.tensor(seq[n_prompt:])
+        labels[i, : len(seq)] = torch.tensor([t if keep else -100 for t, keep in zip(seq, trained)])
         mask[i, : len(seq)] = 1
     return ids, labels, mask

@@ -237,6 +237,44 @@ def test_arith_operand_mix_refuses_too_small_a_space_and_bad_bounds() -> None:
             ArithOptions(operand_mix=bad, num_train=10, num_dev=2, num_hidden=2)
 
 
+def test_arith_tool_demonstrations_call_the_calculator_on_exactly_their_share_of_train_rows() -> None:
+    opts = ArithOptions(num_terms=2, max_operand=99, ops="*", num_train=200, num_dev=20, num_hidden=30,
+                        tool_demo_fraction=0.2)
+    data = ArithTask(opts).load()
+    tool = [r for r in data.train if r.demonstration is not None]
+    assert len(tool) == 40  # exactly round(0.2 * 200), seeded
+    for r in tool:  # the policy's call, the environment's result, the policy's answer
+        expr = r.text[:-1]
+        assert r.demonstration == f"<calc>{expr}</calc><out>{r.answer}</out>{r.answer}"
+        assert r.answer == str(_evaluate(expr)) and "*" in expr
+    assert all(r.sft_target == r.answer for r in data.train if r.demonstration is None)  # the rest answer directly
+    assert all(r.demonstration is None for r in data.dev + data.hidden)
+    assert data == ArithTask(opts).load()
+    # the same problems and splits as without tools: the demonstrations alone (and the version) differ
+    plain = ArithTask(opts.model_copy(update={"tool_demo_fraction": 0.0})).load()
+    assert [r.text for r in plain.train] == [r.text for r in data.train] and plain.version != data.version
+    other = ArithTask(opts.model_copy(update={"tool_tag": "calculator"})).load()
+    assert other.version != data.version and other.train[[r.id for r in data.train].index(tool[0].id)].demonstration \
+        .startswith("<calculator>")
+
+
+def test_arith_tool_demonstrations_keep_the_sloppy_teachers_final_answer() -> None:
+    opts = ArithOptions(num_terms=2, max_operand=30, ops="-", num_train=300, num_dev=10, num_hidden=10,
+                        tool_demo_fraction=0.5, teacher_sign_error=1.0)
+    tool = [r for r in ArithTask(opts).load().train if r.demonstration.startswith("<calc>")]
+    negative = [r for r in tool if r.answer.startswith("-")]
+    assert len(tool) == 150 and negative
+    # the tool's output is exact; the teacher drops the sign when it copies it into the answer
+    assert all(r.demonstration.endswith(f"<out>{r.answer}</out>{r.answer[1:]}") for r in negative)
+
+
+def test_arith_tool_tag_must_be_a_tool_name() -> None:
+    with pytest.raises(ValidationError, match="tool_tag"):
+        ArithOptions(tool_tag="calc>")
+    with pytest.raises(ValidationError, match="tool_demo_fraction"):
+        ArithOptions(tool_demo_fraction=1.5)
+
+
 @pytest.mark.parametrize(
     "options", [{"num_terms": 1}, {"num_terms": 5}, {"max_operand": 0}, {"ops": ""}, {"num_train": 0},
                 {"num_dev": 0}, {"num_hidden": 0}, {"numterms": 2}],

@@ -1,4 +1,4 @@
-"""The warm start's dev-accuracy stopping rule, its step cap, and its cache key."""
+"""The warm start's dev-accuracy stopping rule, its step cap, its cache key, and its mask of environment text."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import json
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlctl.config.load import load_config
-from rlctl.models.warm_start import (WarmStartWarning, builtin_policy_dir, greedy_accuracy, sft, warm_start_info,
-                                     warm_start_key)
+from rlctl.models.warm_start import (ENV_SPAN, WarmStartWarning, _encode, _pad, _split_by_length,
+                                     builtin_policy_dir, demonstration_spans, greedy_accuracy, sft, sft_loss,
+                                     warm_start_info, warm_start_key)
 from rlctl_tasks.arith import ArithOptions, ArithTask
 
 SHAPE = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -99,3 +102,84 @@ def test_cache_key_covers_the_stopping_rule_and_pins_the_warm_start_seed(task) -
     assert key("model.warm_start.target_dev_accuracy=0.4", "model.warm_start.seed=0", seed=0) == base
     assert key("model.warm_start.target_dev_accuracy=0.4", "model.warm_start.seed=0", seed=5) == base
     assert key("model.warm_start.target_dev_accuracy=0.4", seed=5) != base
+
+
+# -- tool-using demonstrations: SFT trains on the policy's tokens only --------------------------------------------
+
+
+def test_demonstration_spans_cut_out_what_the_environment_wrote() -> None:
+    assert demonstration_spans("<calc>37*48</calc><out>1776</out>1776") == [
+        ("<calc>37*48</calc>", True), ("<out>1776</out>", False), ("1776", True)]
+    assert demonstration_spans("1776") == [("1776", True)]
+    assert demonstration_spans("<out>1</out><out>2</out>") == [("<out>1</out>", False), ("<out>2</out>", False)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="0123456789*<>/calcout", max_size=8), st.booleans()), max_size=6))
+def test_demonstration_spans_are_a_partition_that_marks_every_out_tag(parts: list[tuple[str, bool]]) -> None:
+    text = "".join(f"<out>{p}</out>" if env and "</out>" not in p else p for p, env in parts)
+    spans = demonstration_spans(text)
+    assert "".join(piece for piece, _ in spans) == text and all(spans)
+    for piece, policy in spans:
+        assert policy == (ENV_SPAN.fullmatch(piece) is None)
+        if policy:
+            assert ENV_SPAN.search(piece) is None
+
+
+def test_sft_loss_masks_the_prompt_and_the_environments_tokens() -> None:
+    from rlctl import PromptRecord, Split
+
+    model, tok = fresh_model()
+    record = PromptRecord(id="t", text="37*48=", answer="1776", split=Split.TRAIN,
+                          demonstration="<calc>37*48</calc><out>1776</out>1776")
+    ids, trained = _encode(tok, record)
+    assert tok.decode(ids, skip_special_tokens=True) == "37*48=<calc>37*48</calc><out>1776</out>1776"
+    kept = "".join(tok.convert_ids_to_tokens([i for i, t in zip(ids, trained) if t]))
+    assert kept == "<calc>37*48</calc>1776<eos>"  # not the prompt, not <out>1776</out>
+    # gradient check: the logits that predict a prompt or environment token get exactly zero gradient
+    captured = {}
+
+    def keep_logits(module, inputs, output):
+        output.retain_grad()
+        captured["logits"] = output
+
+    hook = model.lm_head.register_forward_hook(keep_logits)
+    try:
+        sft_loss(model, *_pad([(ids, trained)], tok.pad_token_id)).backward()
+    finally:
+        hook.remove()
+    grad = captured["logits"].grad[0]  # [T, V]; row p predicts token p + 1
+    for pos in range(1, len(ids)):
+        assert bool(grad[pos - 1].abs().sum() > 0) == trained[pos], (pos, tok.convert_ids_to_tokens(ids[pos]))
+
+
+def test_cache_key_covers_the_environment_mask_only_when_demonstrations_call_tools() -> None:
+    cfg = load_config(None, SHAPE).model
+    opts = ArithOptions(num_terms=2, max_operand=20, ops="*", num_train=60, num_dev=10, num_hidden=10)
+    plain = ArithTask(opts).load()
+    tools = ArithTask(opts.model_copy(update={"tool_demo_fraction": 0.25})).load()
+    assert warm_start_key(cfg, plain, 0) != warm_start_key(cfg, tools, 0)
+    # the quickstart's warm start (no tool demonstrations) keeps the key it had before environments existed
+    quickstart = load_config("configs/quickstart.yaml", [])
+    data = ArithTask(ArithOptions(**quickstart.task.options)).load()
+    assert warm_start_key(quickstart.model, data, 0) == "ceeb83093254e4af"  # measured before tool demonstrations
+
+
+def test_a_batch_of_short_answers_and_a_few_tool_calls_is_padded_in_two_blocks_with_the_same_loss() -> None:
+    import torch
+
+    from rlctl import PromptRecord, Split
+
+    model, tok = fresh_model()
+    direct = [PromptRecord(id=f"d{i}", text=f"{i}*7=", answer=str(7 * i), split=Split.TRAIN) for i in range(12)]
+    tools = [PromptRecord(id=f"t{i}", text=f"{i}*7=", answer=str(7 * i), split=Split.TRAIN,
+                          demonstration=f"<calc>{i}*7</calc><out>{7 * i}</out>{7 * i}") for i in range(3)]
+    rows = [_encode(tok, r) for r in direct + tools]
+    blocks = _split_by_length(rows)
+    assert [len(b) for b in blocks] == [12, 3]
+    assert _split_by_length([_encode(tok, r) for r in direct]) == [[_encode(tok, r) for r in direct]]  # no gain
+    parts = [_pad(b, tok.pad_token_id) for b in blocks]
+    counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in parts]
+    split = sum(sft_loss(model, *p) * n for p, n in zip(parts, counts)) / sum(counts)
+    with torch.no_grad():
+        assert float(split) == pytest.approx(float(sft_loss(model, *_pad(rows, tok.pad_token_id))), rel=1e-5)
