@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlctl.config.models import ModelConfig
+from rlctl.contracts.errors import ConfigError
 from rlctl.contracts.types import PromptRecord, TaskData
 
 # (step, total, loss) every step; a fourth argument, the dev accuracy, after each dev check
@@ -87,6 +88,12 @@ def builtin_policy_dir(model: ModelConfig, task: TaskData, seed: int, cache_root
     from rlctl.models.tokenizer import build_char_tokenizer
 
     ws = model.warm_start
+    if ws.enabled and ws.target_dev_accuracy and any(ENV_SPAN.search(r.sft_target) for r in task.train):
+        raise ConfigError(
+            "model.warm_start.target_dev_accuracy: the dev check decodes greedily without the environment, but "
+            "these demonstrations call tools, so it would measure direct answers only and stop at the wrong point",
+            "set model.warm_start.target_dev_accuracy: null and a fixed model.warm_start.steps "
+            "(configs/quickstart-tools.yaml does)")
     target = cache_root / "warm_start" / warm_start_key(model, task, seed)
     if (target / "COMPLETE").is_file():
         _warn_if_capped(target, ws.steps)

@@ -165,6 +165,18 @@ def test_cache_key_covers_the_environment_mask_only_when_demonstrations_call_too
     assert warm_start_key(quickstart.model, data, 0) == "ceeb83093254e4af"  # measured before tool demonstrations
 
 
+def test_a_dev_accuracy_target_is_refused_when_demonstrations_call_tools(tmp_path) -> None:
+    """The dev check decodes without the environment: on tool demonstrations it would stop at the wrong point."""
+    from rlctl.contracts.errors import ConfigError
+
+    cfg = load_config(None, [*SHAPE, "model.warm_start.steps=5", "model.warm_start.target_dev_accuracy=0.5"])
+    opts = ArithOptions(num_terms=2, max_operand=20, ops="*", num_train=60, num_dev=10, num_hidden=10,
+                        tool_demo_fraction=0.25)
+    with pytest.raises(ConfigError, match=r"target_dev_accuracy.*without the environment") as err:
+        builtin_policy_dir(cfg.model, ArithTask(opts).load(), 0, tmp_path)
+    assert "fixed model.warm_start.steps" in err.value.hint and not any(tmp_path.iterdir())  # nothing written
+
+
 def test_a_batch_of_short_answers_and_a_few_tool_calls_is_padded_in_two_blocks_with_the_same_loss() -> None:
     import torch
 
