@@ -235,6 +235,11 @@ def build_common(config: RunConfig, plugins: Plugins, cache_root: Path,
     seed_everything(config.run.seed, config.train.deterministic)
     reward = build_reward(config, plugins)
     estimator = build_estimator(config, plugins)
+    if estimator.needs_critic and config.train.learner not in plugins.names("critic_backend"):
+        raise ConfigError(f"algo.name={config.algo.name} needs a critic, and train.learner={config.train.learner} "
+                          "has no critic backend (built in: torch)",
+                          f"use train.learner=torch with algo.name={config.algo.name}, or an estimator without a "
+                          "critic (e.g. algo.name=grpo)")
     # the rollout backend is built after the starting policy (its context needs it); its options are checked now
     validate_options(plugins.get("rollout_backend", config.rollout.backend).options, config.rollout.options,
                      "rollout.options")

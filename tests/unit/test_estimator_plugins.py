@@ -162,3 +162,17 @@ def test_an_object_that_is_not_an_estimator_is_refused():
     cfg = RunConfig(algo=AlgoConfig(name="broken", group_size=2, prompts_per_step=2))
     with pytest.raises(PluginError, match="AdvantageEstimator"):
         build_estimator(cfg, load_plugins(extra={"broken": plugin}))
+
+
+@pytest.mark.parametrize("learner", ["fsdp2", "deepspeed"])
+def test_a_critic_estimator_on_a_learner_without_a_critic_stops_before_any_model_loads(learner, tmp_path):
+    """PPO needs a critic backend named like train.learner; only torch has one: one error, nothing built."""
+    from rlctl.config.load import load_config
+    from rlctl.placement.build import build_common
+    from tests.conftest import TINY_OVERRIDES
+
+    config = load_config(None, [*TINY_OVERRIDES, "algo.name=ppo", f"train.learner={learner}"])
+    with pytest.raises(ConfigError, match=rf"algo.name=ppo needs a critic, and train.learner={learner} has no "
+                                          r"critic backend") as err:
+        build_common(config, load_plugins(), tmp_path / "cache")
+    assert "train.learner=torch" in err.value.hint and not (tmp_path / "cache").exists()
