@@ -16,6 +16,8 @@ What this is not: the "code" reward (rlctl_rewards.code), which judges code agai
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlctl.contracts.errors import BadToolCall, ToolError
@@ -34,6 +36,9 @@ class PythonToolOptions(BaseModel):
     pids: int = Field(16, ge=4, le=4096, description="Process cap (cgroup pids.max), bwrap's own included.")
     output_kib: int = Field(64, ge=1, le=65536, description="stdout/stderr cap per stream.")
     python: str = Field("/usr/bin/python3", description="Interpreter inside the jail (world-executable, under /usr).")
+    mode: Literal["program", "expression"] = Field(
+        "program", description="program: run the arguments as a program, answer with its stdout; expression: "
+        "answer with the value of the arguments as one Python expression (a calculator that runs in the jail).")
 
 
 class PythonTool:
@@ -49,6 +54,8 @@ class PythonTool:
         self.sandbox.check()  # at build time: no jail, one clear error (e.g. apt-get install -y bubblewrap)
 
     def call(self, arguments: str, timeout_s: float) -> str:
+        if self.options.mode == "expression":  # the text stays a string literal; only the jail evaluates it
+            arguments = f"print(eval(compile({arguments!r}, '<tool>', 'eval')))"
         try:
             run = self.sandbox.run([self.sandbox.python, "-I", "-S", "-"], arguments.encode())
         except SandboxUnavailable as err:

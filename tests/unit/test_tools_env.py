@@ -234,6 +234,19 @@ def test_python_tool_runs_in_the_sandbox(plugins, needs_sandbox):
     assert net.tool_status == "invalid" and "error" in _text(net)
 
 
+def test_python_tool_in_expression_mode_answers_the_value_from_the_sandbox(plugins, needs_sandbox):
+    """``mode: expression`` makes the python tool a calculator that evaluates in the jail (quickstart-tools' task
+    with the tool sandboxed)."""
+    env = _env(plugins, tools={"calc": {"tool": "python", "options": {"mode": "expression"}}},
+               limits={"step_timeout_s": 20})
+    ok = _step(env, "<calc>37*48</calc>")
+    assert (ok.tool, ok.tool_status, _text(ok)) == ("calc", "ok", "<out>1776</out>")
+    bad = _step(env, "<calc>print(1); 2</calc>")  # a statement is not an expression: the policy's mistake
+    assert bad.tool_status == "invalid" and "SyntaxError" in _text(bad)
+    quote = _step(env, "<calc>')+__import__('os').system('id')#</calc>")  # stays a literal: no code of ours runs it
+    assert quote.tool_status == "invalid"
+
+
 def test_a_bad_environment_config_stops_the_run_before_any_model_loads(plugins, _rlctl_home):
     from rlctl.config.load import load_config
     from rlctl.placement import place
