@@ -44,12 +44,12 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlctl.contracts.episodes import FAILED_TOOL_STATUSES
 from rlctl.contracts.errors import BadToolCall, ToolError
 from rlctl.contracts.types import EnvironmentContext, EnvStep, EpisodeLimits
 from rlctl.kit import fault_site
 
 VERSION = "1"
-FAILED = ("timeout", "error", "garbage")  # tool statuses that are infrastructure failures (flag the episode)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _CLOSING = re.compile(r"</([A-Za-z_][A-Za-z0-9_-]*)>\s*$")
 _OBSERVATION = {"tags": "<out>{result}</out>", "hermes": "<tool_response>{result}</tool_response>"}
@@ -190,7 +190,7 @@ class ToolsEpisode:
             return EnvStep(done=True)
         name, arguments = call
         status, result, seconds = self._call(name, arguments)
-        if status in FAILED:
+        if status in FAILED_TOOL_STATUSES:
             return EnvStep(done=True, tool=name, tool_status=status, tool_seconds=seconds, info={"error": result})
         return EnvStep(observation=env.observe(result), tool=name, tool_status=status, tool_seconds=seconds)
 
@@ -262,7 +262,7 @@ class ScriptedEpisode(ToolsEpisode):
             return EnvStep(done=True)
         name, arguments = self.env.call
         status, result, seconds = self._call(name, arguments)
-        if status in FAILED:
+        if status in FAILED_TOOL_STATUSES:
             return EnvStep(done=True, tool=name, tool_status=status, tool_seconds=seconds, info={"error": result})
         self.answered = True
         return EnvStep(observation=self.env.observe(result), tool=name, tool_status=status, tool_seconds=seconds)

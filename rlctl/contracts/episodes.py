@@ -16,6 +16,10 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
+# Turn.tool_status values that are infrastructure failures (flag the episode; never scored). The others: "ok",
+# "invalid" (the policy's own bad call, shown to it), None (no tool ran).
+FAILED_TOOL_STATUSES = frozenset({"timeout", "error", "garbage"})
+
 
 class Writer(str, enum.Enum):
     """Who wrote a span of an episode's tokens."""

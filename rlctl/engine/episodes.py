@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from rlctl.contracts.errors import ConfigError, PluginError, RoleError
+from rlctl.contracts.episodes import FAILED_TOOL_STATUSES
 from rlctl.contracts.roles import Environment, EpisodeState, RolloutBackend
 from rlctl.contracts.types import (
     EnvironmentContext,
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
     from rlctl.config.models import EnvironmentConfig, RolloutConfig
     from rlctl.hooks.manager import Plugins
 
-FAILED_TOOL = ("timeout", "error", "garbage")  # tool statuses that are infrastructure failures
 GATHER_S = 0.05  # after the first pending step ends, how long a round waits for the others
 STEP_GRACE_S = 1.0  # a step past step_timeout_s + this is a timeout even if the environment never returns
 _HIDDEN = frozenset({"generate_cancellable"})  # inner verbs that would bypass the episodes
@@ -286,7 +286,7 @@ class EpisodeDriver:
     def _env_turn(self, ep: _Episode, step: EnvStep, pending: dict[Future[EnvStep], tuple[_Episode, float]]
                   ) -> bool:
         """Apply one environment step; True when the episode wants its next policy turn."""
-        if step.tool_status in FAILED_TOOL and ep.attempts <= self.retries:
+        if step.tool_status in FAILED_TOOL_STATUSES and ep.attempts <= self.retries:
             ep.retry_seconds += step.tool_seconds  # accounted on the turn the call finally makes
             last = ep.turns[-1]
             self._submit(ep, ep.tokens[last.start:last.end], pending)  # the same call again
@@ -295,7 +295,7 @@ class EpisodeDriver:
         ep.attempts, ep.retry_seconds = 0, 0.0
         if step.reward_parts:
             ep.turns[-1] = dataclasses.replace(ep.turns[-1], reward=float(sum(step.reward_parts.values())))
-        if step.tool_status in FAILED_TOOL:  # still failing: flagged on an empty environment turn, episode over
+        if step.tool_status in FAILED_TOOL_STATUSES:  # still failing: flagged on an empty environment turn, episode over
             n = len(ep.tokens)
             ep.turns.append(Turn(start=n, end=n, writer=Writer.ENV, tool=step.tool, tool_status=step.tool_status,
                                  tool_seconds=seconds, tool_retries=retries))
@@ -339,6 +339,6 @@ class EpisodeDriver:
 def episode_failure(traj: Trajectory) -> str | None:
     """``tool_<status>: ...`` when a tool call of the episode failed for good (infrastructure), else None."""
     for turn in traj.turns:
-        if turn.writer is Writer.ENV and turn.tool_status in FAILED_TOOL:
+        if turn.writer is Writer.ENV and turn.tool_status in FAILED_TOOL_STATUSES:
             return f"tool_{turn.tool_status}: {turn.tool or 'environment'} failed after retries"
     return None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
+from rlctl.contracts.episodes import FAILED_TOOL_STATUSES
 from rlctl.contracts.types import TerminalReason, Trajectory, Writer
 
 
@@ -104,7 +105,6 @@ def rollout_tokens(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             "rollout_padding_waste": 1.0 - real / computed if computed else 0.0}
 
 
-TOOL_FAILURES = frozenset({"timeout", "error", "garbage"})  # a Turn's tool_status that flags the episode
 
 
 def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajectory] = (), group_size: int = 1,
@@ -129,11 +129,11 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
     turns: list[float] = []
     tool_s = turn_reward = 0.0
     for t in trajectories:
-        env = [u for u in t.turns if u.tool is not None or u.tool_status in TOOL_FAILURES or u.tool_retries]
+        env = [u for u in t.turns if u.tool is not None or u.tool_status in FAILED_TOOL_STATUSES or u.tool_retries]
         calls += len(env)
         retries += sum(u.tool_retries for u in env)
         attempts += sum(1 + u.tool_retries for u in env)
-        failed += sum(u.tool_retries + (u.tool_status in TOOL_FAILURES) for u in env)
+        failed += sum(u.tool_retries + (u.tool_status in FAILED_TOOL_STATUSES) for u in env)
         turn_reward += sum(u.reward for u in t.turns if u.reward is not None)
         with_call += bool(env)
         tool_s += sum(u.tool_seconds for u in t.turns)
@@ -154,7 +154,7 @@ def episode_metrics(trajectories: Sequence[Trajectory], dropped: Sequence[Trajec
 
 def tool_failed(trajectory: Trajectory) -> bool:
     """Whether a tool call of the episode timed out, crashed or returned garbage (the episode is flagged)."""
-    return (any(u.tool_status in TOOL_FAILURES for u in trajectory.turns)
+    return (any(u.tool_status in FAILED_TOOL_STATUSES for u in trajectory.turns)
             or (trajectory.reward_error or "").startswith("tool_"))
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rlctl.contracts.episodes import FAILED_TOOL_STATUSES
 from rlctl.incidents.causes import account_for_load, rank_by_cause
 from rlctl.incidents.runbooks import Runbook, load_runbooks
 from rlctl.incidents.triggers import SEVERITY_RANK, Firing, History, evaluate, history_from
@@ -274,7 +275,7 @@ def tool_label(turn: Mapping[str, Any]) -> str:
     """`` calculator ok 0.012s`` (`` ... after 2 retries`` when failed attempts were run again) for an
     environment turn of rlctl.lifecycle.episodes.episode_json; a failed step that named no tool (a crashed
     or hung environment) is ``environment``'s; "" when the turn ran no tool."""
-    if not turn["tool"] and turn["tool_status"] not in ("timeout", "error", "garbage"):
+    if not turn["tool"] and turn["tool_status"] not in FAILED_TOOL_STATUSES:
         return ""
     retries = turn.get("tool_retries", 0)
     return (f" {turn['tool'] or 'environment'} {turn['tool_status']} {turn['tool_seconds']:.3f}s"
