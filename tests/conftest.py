@@ -124,7 +124,7 @@ def ray_cluster(tmp_path_factory):
     """One local 2-CPU Ray cluster for the whole test session (the ray-marked tests share it)."""
     import os
 
-    ray = pytest.importorskip("ray")
+    ray = pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only
     os.environ["RAY_AUTH_MODE"] = "disabled"
     for attempt in range(3):  # Ray waits a fixed 30 s for its raylet; on 2 busy shared cores that can pass

@@ -20,7 +20,7 @@ import pytest
 from tests.integration.test_faults import _events, _run_id, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
 
 
 def test_a_killed_rollout_actor_is_restarted_and_its_prompts_regenerated(ray_cluster, _rlctl_home, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from tests.integration.test_async_loop import ListSink, session_for
 
 pytestmark = pytest.mark.ray
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
 
 
 class RayRun:

@@ -28,7 +28,7 @@ from tests.helpers import learner_context, rollout_batch
 from tests.integration.test_faults import _events, _run_id, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
 
 
 def _ray_ctx(session):

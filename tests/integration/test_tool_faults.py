@@ -97,7 +97,7 @@ def test_async_on_ray_with_the_python_tool_in_the_sandbox_survives_a_sigkilled_r
     from rlctl.engine.samples import read_samples
     from tests.integration.test_faults import _events
 
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
     steps, g = 4, 4
     faults = [{"kind": "worker-crash", "at_step": 2, "count": 2}, {"kind": "tool-timeout", "rate": 0.1}]
     result, reg, run_dir = _train(

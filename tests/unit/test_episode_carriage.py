@@ -83,7 +83,8 @@ def test_an_episode_round_trips_through_the_queue_log_bit_exactly(spec, logprob)
 @settings(max_examples=30, deadline=None)
 @given(spec=turn_specs())
 def test_an_episode_survives_pickling_as_ray_hands_it_between_actors(spec):
-    cloudpickle = pytest.importorskip("ray.cloudpickle")  # what Ray serialises task arguments and results with
+    # what Ray serialises task arguments and results with
+    cloudpickle = pytest.importorskip("ray.cloudpickle", reason="needs ray: pip install -e '.[ray]'")
 
     t = episode(spec)
     for back in (pickle.loads(pickle.dumps(t)), cloudpickle.loads(cloudpickle.dumps(t))):

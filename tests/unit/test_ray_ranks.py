@@ -7,7 +7,7 @@ import pytest
 from rlctl import ConfigError
 from rlctl.contracts.types import LearnerContext
 
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
 
 
 @pytest.mark.parametrize("gpus", [0.0, 0.5])
