@@ -317,7 +317,7 @@ class RunGuard:
         try:
             self.registry.add_event(self.run_id, "hang", message, {
                 "step": self.step, "role": role, "rank": 0, "phase": phase, "thread": thread, "idle_s": idle_s,
-                "stack": stack[-6000:], "dump": str(dump) if dump else None})
+                "stack": stack[:6000], "dump": str(dump) if dump else None})
         except RlctlError:
             pass  # the registry may be what hangs; the error below still names the phase
         return message

@@ -104,13 +104,13 @@ class Watchdog:
             self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_in_main)
         self._thread.start()
 
-    def _culprit(self, driver: _Phase) -> _Phase:
+    def _culprit(self, driver: _Phase) -> tuple[int, _Phase]:
         """The driver's phase, or when it waits for other threads, the longest-open phase of one of them."""
         if not driver.waits_for_threads:
-            return driver
+            return self._driver_ident, driver
         with self._lock:
-            others = sorted(self._others.values(), key=lambda p: p.since)
-        return others[0] if others else driver
+            others = sorted(self._others.items(), key=lambda item: item[1].since)
+        return others[0] if others else (self._driver_ident, driver)
 
     def _watch(self) -> None:
         import faulthandler
@@ -122,11 +122,11 @@ class Watchdog:
             idle = time.monotonic() - driver.since
             if idle < self.timeout_s:
                 continue
-            culprit = self._culprit(driver)
+            ident, culprit = self._culprit(driver)
             with tempfile.TemporaryFile("w+") as buf:
                 faulthandler.dump_traceback(file=buf, all_threads=True)
                 buf.seek(0)
-                stack = buf.read()
+                stack = _culprit_first(ident, culprit.thread, buf.read())
             self._message = self.on_hang(culprit.name, culprit.role, culprit.thread, idle, stack)
             if self._main is not None and self._previous_handler is not None:
                 signal.pthread_kill(self._main, signal.SIGUSR1)
@@ -167,3 +167,20 @@ class _Phase:
     def again(self) -> "_Phase":
         """The same phase, entered now (the driver is back in it after an inner phase)."""
         return _Phase(self.name, self.role, self.thread, self.waits_for_threads)
+
+
+def _culprit_first(ident: int, thread: str, stacks: str) -> str:
+    """The culprit thread's stack, then every thread's: a truncated report still shows where the hang is.
+
+    With many threads alive (a worker pool, a tracker's flusher, Ray's
+    clients) the full dump runs to tens of kilobytes; whoever stores a prefix
+    of it must still see the culprit's frames.
+    """
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return stacks
+    lines = traceback.format_stack(frame)[::-1]  # most recent call first, as faulthandler prints them
+    return f"Culprit thread {thread} (0x{ident:x}), most recent call first:\n{''.join(lines)}\n{stacks}"

@@ -97,3 +97,37 @@ def test_leaving_a_phase_puts_the_driver_back_in_the_loop():
 def test_without_a_watchdog_phases_do_nothing():
     with NO_HEARTBEAT.phase("train", "learner", waits_for_threads=True):
         pass
+
+
+def test_the_report_opens_with_the_culprit_threads_stack_however_many_threads_are_alive():
+    """A stored prefix of the dump must show the hang: the culprit's frames come before every thread's dump."""
+    stacks: list[str] = []
+
+    def on_hang(phase: str, role: str, thread: str, idle_s: float, stack: str) -> str:
+        stacks.append(stack)
+        return "hung"
+
+    stop = threading.Event()
+    bystanders = [threading.Thread(target=stop.wait, name=f"bystander-{i}", daemon=True) for i in range(40)]
+    for thread in bystanders:
+        thread.start()
+
+    def grade_forever() -> None:
+        with dog.phase("score", "reward"):
+            stop.wait(60)
+
+    dog = Watchdog(0.5, on_hang)
+    dog.start()
+    grader = threading.Thread(target=grade_forever, name="rollout-score", daemon=True)
+    grader.start()
+    try:
+        with pytest.raises(HangError):
+            with dog.phase("generate", "rollout", waits_for_threads=True):
+                time.sleep(60)
+    finally:
+        stop.set()
+        dog.stop()
+    [stack] = stacks
+    assert stack.startswith("Culprit thread rollout-score")
+    assert "grade_forever" in stack[:2000]
+    assert len(stack) > 6000  # the full dump follows, so a tail would have missed the culprit
