@@ -112,7 +112,7 @@ SUMMARY_TABLES: dict[str, list[str]] = {}
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    for title, lines in SUMMARY_TABLES.items():
+    for title, lines in sorted(SUMMARY_TABLES.items()):
         if lines:
             terminalreporter.section(title)
             for line in lines:
@@ -179,3 +179,27 @@ def pytest_sessionfinish(session, exitstatus):
     if STRICT_SKIPS:
         SUMMARY_TABLES["tests that skipped for a missing extra or package (failures in CI)"] = STRICT_SKIPS
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the tables
+        session.config.workeroutput["summary_tables"] = dict(SUMMARY_TABLES)
+
+
+# -- parallel runs (pytest-xdist, `-n 2 --dist loadgroup` in the README's command) -------------------
+# Tests that share one process-wide or machine-wide thing run on one worker, one after another: the
+# session's Ray cluster, the PostgreSQL database `test`, and the real vLLM servers (each wants a core).
+SERIAL_GROUPS = ("ray", "postgres", "vllm")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((name for name in SERIAL_GROUPS if item.get_closest_marker(name)), None)
+        if group is None and "ray_cluster" in getattr(item, "fixturenames", ()):
+            group = "ray"
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller gathers the tables each xdist worker collected (see pytest_terminal_summary)."""
+    for title, lines in getattr(node, "workeroutput", {}).get("summary_tables", {}).items():
+        SUMMARY_TABLES.setdefault(title, []).extend(lines)
