@@ -23,6 +23,9 @@ TINY_OVERRIDES = [
     "rollout.max_tokens=6", "eval.max_tokens=6",
     # the quickstart's 3 seeds and its dev-accuracy stopping rule would slow every test that starts from it
     "train.seeds=1", "model.warm_start.target_dev_accuracy=null",
+    # overlapped runs keep their rollout workers in this process (tests wrap and patch them there); the child
+    # processes of cluster.rollout_workers=auto are tested in tests/integration/test_process_workers.py
+    "cluster.rollout_workers=threads",
 ]
 
 

@@ -1,11 +1,15 @@
-"""In-process placement: every role is built in this process; rollout workers are threads.
+"""Local placement: every role is built on this machine; rollout workers are threads or child processes.
 
 What this is: ``LocalPlacement``. In ``mode: sync`` the run's one rollout
 engine is the rollout role itself. In the overlapped modes the rollout role is
-a RolloutFleet of ``cluster.num_rollout_workers`` LocalWorkers, each a backend
+a RolloutFleet of ``cluster.num_rollout_workers`` workers, each a backend
 instance built from the same plugin and options with its own seed (worker 0
-with the run's seed), served by its own producer thread; threads overlap
-generation with training because torch releases the GIL inside its kernels.
+with the run's seed), served by its own producer thread. The backend lives in
+that thread's process (``LocalWorker``: an HTTP engine's client waits on
+sockets, and torch releases the GIL inside its kernels) or in a child process
+(``ProcessWorker``, rlctl.placement.processes: the built-in engine on a small
+model is Python-bound and would hold the GIL against the learner); see
+``cluster.rollout_workers``.
 A sharded learner starts its ranks as local processes (no rank launcher).
 
 What this is not: a process supervisor. A local worker whose backend raises
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlctl.config.models import RunConfig
-from rlctl.contracts.errors import RolloutUnavailable, WorkerLost
+from rlctl.contracts.errors import ConfigError, RolloutUnavailable, WorkerLost
 from rlctl.contracts.roles import ClosableLearner, RolloutBackend, RunDirAware
 from rlctl.contracts.types import RolloutRequest, TaskData, Trajectory, WeightUpdate
 from rlctl.engine.producers import RolloutFleet
@@ -29,6 +33,7 @@ from rlctl.engine.roles import Roles
 from rlctl.engine.spec import overlapped
 from rlctl.hooks.manager import Plugins
 from rlctl.placement.build import build_common, build_critic, build_reward_pool, learner_context
+from rlctl.placement.processes import ProcessWorker, use_processes
 
 # Model loading goes through process-global state (default device / init contexts in transformers):
 # two threads building a backend at once can leave one model with meta tensors. Builds take turns.
@@ -84,8 +89,16 @@ class LocalPlacement:
         common = build_common(config, plugins, cache_root, progress, task)
         self._closers: list[Callable[[], None]] = []
         try:
+            processes = (fleet or overlapped(config)) and use_processes(config)
+            if processes and config.faults.inject:
+                raise ConfigError("cluster.rollout_workers=processes cannot carry injected faults into the "
+                                  "worker processes", "set cluster.rollout_workers=threads (or auto), or "
+                                  "cluster.backend=ray, whose actors arm the run's faults")
+            worker = (lambda i: ProcessWorker(f"local-{i}", config.rollout, common.rollout_context(i),  # starts
+                                              config.faults.verifier_retries, wait=False)) if processes else \
+                (lambda i: LocalWorker(f"local-{i}", lambda: common.build_rollout(plugins, i)))
             if fleet or overlapped(config):  # worker 0 now, the others once the learner is built (the order seeds follow)
-                first: Any = LocalWorker("local-0", lambda: common.build_rollout(plugins, 0))
+                first: Any = worker(0)
             else:
                 first = common.build_rollout(plugins, 0)
             self._closers.append(first.close)
@@ -99,11 +112,14 @@ class LocalPlacement:
             if pool is not None:
                 self._closers.append(pool.close)
             rollout = first
-            if isinstance(first, LocalWorker):
+            if isinstance(first, (LocalWorker, ProcessWorker)):
                 workers = [first]
                 for i in range(1, config.cluster.num_rollout_workers):
-                    workers.append(LocalWorker(f"local-{i}", lambda i=i: common.build_rollout(plugins, i)))
+                    workers.append(worker(i))
                     self._closers.append(workers[-1].close)
+                for each in workers:  # the children import and build side by side while the learner builds
+                    if isinstance(each, ProcessWorker):
+                        each.ready()
                 rollout = RolloutFleet(workers)
             self.roles: Roles = common.roles(plugins, rollout=rollout, learner=learner, critic=critic,
                                              reward_pool=pool)

@@ -336,15 +336,44 @@ def _host_files(values: dict) -> list[str]:
     return found
 
 
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _sibling_workers() -> set[int]:
+    """The other processes our parent started: the other pytest-xdist workers, whose own jails are not leftovers."""
+    me, controller, siblings = os.getpid(), os.getppid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if _parent(int(stat.parent.name)) == controller and int(stat.parent.name) != me:
+                siblings.add(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return siblings
+
+
+def _under(pid: int, ancestors: set[int]) -> bool:
+    try:
+        while pid > 1:
+            if pid in ancestors:
+                return True
+            pid = _parent(pid)
+    except (OSError, ValueError):
+        return True  # gone while we looked: not left on the host
+    return False
+
+
 def _jailed_processes() -> list[str]:
-    """Host processes running as the jail's uid (nobody else uses it here)."""
-    pids = []
+    """Host processes running as the jail's uid (nobody else uses it here), but for the jails other test
+    workers are running right now (an escapee is re-parented to init, so it never passes as theirs)."""
+    pids, siblings = [], _sibling_workers()
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             uid = next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("Uid:"))
         except (OSError, StopIteration):
             continue
-        if int(uid) == NOBODY:
+        if int(uid) == NOBODY and not _under(int(status.parent.name), siblings):
             state = next((line for line in status.read_text().splitlines() if line.startswith("State:")), "")
             pids.append(f"{status.parent.name} {state} {(status.parent / 'cmdline').read_bytes()[:80]!r}")
     return pids
