@@ -380,11 +380,9 @@ class ClusterConfig(_Strict):
     num_rollout_workers: int = Field(
         2, ge=1, description="Rollout workers (each holds a policy copy; the G samples of a prompt stay on one)."
     )
-    rollout_workers: Literal["auto", "threads", "processes"] = Field(
-        "auto", description="local, overlapped modes: rollout workers as threads of this process or as child "
-        "processes (a Python-bound engine holds the GIL, so threads cannot overlap it with the learner); auto = "
-        "processes for the local engine unless faults.inject is set, threads otherwise."
-    )
+    rollout_workers: Literal["auto", "threads", "processes"] = Field("auto", description="local, overlapped modes: "
+        "workers as threads or child processes (a Python-bound engine holds the GIL against the learner); auto = "
+        "processes for the local engine unless faults.inject is set, threads otherwise.")
     rollout_num_cpus: float = Field(0.5, gt=0, description="ray only: CPUs requested per rollout worker actor.")
     rollout_num_gpus: float = Field(0.0, ge=0, description="ray only: GPUs requested per rollout worker actor.")
     learner_num_cpus: float = Field(1.0, gt=0, description="ray only: CPUs requested by the learner actor (a sharded "

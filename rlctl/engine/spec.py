@@ -145,8 +145,9 @@ def ignored_options(config: "RunConfig") -> list[str]:
     """Options the user set that this mode and placement do not use (the run warns about each)."""
     notes = []
     workers = type(config.cluster).model_fields["num_rollout_workers"].default
-    # by value, not by model_fields_set: a resumed run's stored config sets every field
-    if not overlapped(config) and config.cluster.num_rollout_workers != workers:
+    # by value, not by model_fields_set: a resumed run's stored config sets every field; one worker is what
+    # mode=sync runs anyway (configs/quickstart.yaml sets it for its overlapped modes)
+    if not overlapped(config) and config.cluster.num_rollout_workers not in (workers, 1):
         notes.append(f"cluster.num_rollout_workers={config.cluster.num_rollout_workers} is ignored: mode=sync on "
                      "cluster.backend=local generates with one engine in this process (the overlapped modes and "
                      "the Ray placement use the workers)")

@@ -17,9 +17,10 @@ Contention: with ``cores`` set, the busy activities (every worker call in
 flight and the learner's step) share that much compute by processor sharing:
 each progresses at min(1, cores / number busy) of its isolated speed. Without
 it every activity runs at full speed in parallel (separate devices). On the
-local placement rollout workers are threads of the learner's process, and a
+local placement with worker threads (``cluster.rollout_workers=threads``) a
 small model's decode and train steps are Python-bound, so they share one GIL:
-``cores=1`` (``contention_cores``); a Ray placement shares the cluster's CPUs.
+``cores=1`` (``contention_cores``); worker processes and a Ray placement share
+the machine's (the cluster's) CPUs.
 Sharing that keeps every activity busy slows all of them alike, so it moves
 the predicted throughput (steps/s) much more than Δv; Δv moves when the
 sharing is uneven, which this model does not capture (the benchmark prints
@@ -195,14 +196,19 @@ def pareto(alpha: float, minimum: int, maximum: int) -> Callable[[random.Random]
 def contention_cores(config: object) -> float | None:
     """The compute rollout and learner share, by placement (an assumption, printed with the prediction).
 
-    Local: 1 (worker threads and the learner share one GIL; right for Python-bound small models on CPU).
-    Ray: the cluster's CPUs (``cluster.num_cpus``, else this machine's).
+    Local with worker threads: 1 (they and the learner share one GIL; right for Python-bound small models
+    on CPU). Local with worker processes (``cluster.rollout_workers``) and Ray: the CPUs the processes may
+    use (``cluster.num_cpus`` on Ray, else this machine's).
     """
     import os
+
+    from rlctl.placement.processes import use_processes
 
     cluster = config.cluster
     if cluster.backend == "ray":  # separate processes: the CPUs they may use
         return float(cluster.num_cpus or os.cpu_count() or 1)
+    if config.mode != "sync" and use_processes(config):
+        return float(os.cpu_count() or 1)
     return 1.0  # threads of one process
 
 
@@ -247,8 +253,8 @@ def predict_for_run(config: Any, smoke_metrics: dict[str, float], steps: int = 2
     """Predict from a sync smoke step's timings (T_r for one whole batch, T_l, T_s) and response lengths.
 
     Per-token time is T_r / longest response (batched decoding runs as long as
-    its longest row), per worker call; the learner's step adds the extra
-    log-prob pass of the overlapped loop (about a third of a train step).
+    its longest row), per worker call; the learner's step is T_l (D_lag comes
+    from the training forward, rlctl.engine.step, so overlap adds no pass).
     Lengths follow ``tail`` (the rollout's imposed Pareto tail: ``length_tail``)
     when given, else a spread between the smoke step's mean and max response length. ``cores``:
     "placement" = ``contention_cores(config)``; None = no contention.
@@ -272,7 +278,7 @@ def predict_for_run(config: Any, smoke_metrics: dict[str, float], steps: int = 2
         how = f"uniform {lo}..{hi} tokens (smoke step mean..max)"
     shared = contention_cores(config) if cores == "placement" else cores
     token_s = m.get("T_r", 0.0) / longest
-    params = from_config(config, learn_s=m.get("T_l", 0.0) * 4 / 3, token_s=token_s, sync_s=m.get("T_s", 0.0),
+    params = from_config(config, learn_s=m.get("T_l", 0.0), token_s=token_s, sync_s=m.get("T_s", 0.0),
                          steps=steps, cores=shared)
     params = replace(params, **overrides)
     return RunPrediction(prediction=predict(params, draw), params=params, lengths=how)

@@ -60,7 +60,7 @@ def test_dryrun_predicts_staleness_for_async_configs(home):
     out = json.loads(rlctl("dryrun", "configs/quickstart.yaml", *TINY_OVERRIDES, "mode=async",
                            "staleness.max_staleness=2", "--json", home=home, check=True).stdout)
     pred, inputs = out["staleness"]["prediction"], out["staleness"]["inputs"]
-    assert inputs["mode"] == "async" and inputs["capacity"] == 3 * 4 and inputs["workers"] == 2
+    assert inputs["mode"] == "async" and inputs["capacity"] == 3 * 4 and inputs["workers"] == 1  # the quickstart: one
     assert 0 <= pred["staleness_mean"] <= pred["staleness_p95"] <= 2
     assert 0 <= pred["learner_wait_share"] <= 1 and 0 <= pred["rollout_wait_share"] <= 1
     assert inputs["learn_s"] > 0 and inputs["token_s"] > 0
