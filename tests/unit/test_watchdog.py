@@ -16,9 +16,11 @@ from rlctl.engine.heartbeat import NO_HEARTBEAT
 from rlctl.incidents.watchdog import HangError, Watchdog
 
 
-def _watch(reports: list[tuple[str, str, str]]) -> Watchdog:
+def _watch(reports: list[tuple[str, str, str]], stacks: list[str] | None = None) -> Watchdog:
     def on_hang(phase: str, role: str, thread: str, idle_s: float, stack: str) -> str:
         reports.append((phase, role, thread))
+        if stacks is not None:
+            stacks.append(stack)
         return f"hung in {phase}"
 
     dog = Watchdog(0.5, on_hang)
@@ -37,6 +39,12 @@ def _producer(dog: Watchdog, phase: str, role: str, stop: threading.Event, hold_
     return thread
 
 
+def _wait_for_threads_until_the_hang(dog: Watchdog) -> None:
+    with pytest.raises(HangError):
+        with dog.phase("generate", "rollout", waits_for_threads=True):
+            time.sleep(60)  # interrupted by the watchdog
+
+
 def test_producer_beats_do_not_mask_a_stuck_driver_phase():
     reports: list[tuple[str, str, str]] = []
     dog = _watch(reports)
@@ -53,20 +61,26 @@ def test_producer_beats_do_not_mask_a_stuck_driver_phase():
     assert reports == [("train", "learner", "MainThread")]
 
 
-def test_a_driver_waiting_for_threads_is_reported_with_the_longest_open_producer_phase():
+def test_a_driver_waiting_for_threads_is_reported_with_the_longest_open_producer_phase_and_its_stack_first():
+    """A stored prefix of the dump must show the hang: the culprit's frames come before every thread's dump."""
     reports: list[tuple[str, str, str]] = []
-    dog = _watch(reports)
+    stacks: list[str] = []
     stop = threading.Event()
+    for i in range(40):  # bystanders: a worker pool, trackers' flushers, Ray's clients
+        threading.Thread(target=stop.wait, name=f"bystander-{i}", daemon=True).start()
+    dog = _watch(reports, stacks)
     grader = _producer(dog, "score", "reward", stop, hold_s=60)  # one grading call that never returns
     try:
-        with pytest.raises(HangError):
-            with dog.phase("generate", "rollout", waits_for_threads=True):
-                time.sleep(60)
+        _wait_for_threads_until_the_hang(dog)
     finally:
         stop.set()
         dog.stop()
         grader.join()
     assert reports == [("score", "reward", "rollout-score")]
+    [stack] = stacks
+    assert stack.startswith("Culprit thread rollout-score")
+    assert "test_watchdog.py" in stack[:2000]  # the producer's own frames, first
+    assert len(stack) > 6000  # the full dump follows, so a tail would have missed the culprit
 
 
 def test_a_driver_waiting_for_idle_threads_is_reported_with_its_own_phase():
@@ -99,35 +113,3 @@ def test_without_a_watchdog_phases_do_nothing():
         pass
 
 
-def test_the_report_opens_with_the_culprit_threads_stack_however_many_threads_are_alive():
-    """A stored prefix of the dump must show the hang: the culprit's frames come before every thread's dump."""
-    stacks: list[str] = []
-
-    def on_hang(phase: str, role: str, thread: str, idle_s: float, stack: str) -> str:
-        stacks.append(stack)
-        return "hung"
-
-    stop = threading.Event()
-    bystanders = [threading.Thread(target=stop.wait, name=f"bystander-{i}", daemon=True) for i in range(40)]
-    for thread in bystanders:
-        thread.start()
-
-    def grade_forever() -> None:
-        with dog.phase("score", "reward"):
-            stop.wait(60)
-
-    dog = Watchdog(0.5, on_hang)
-    dog.start()
-    grader = threading.Thread(target=grade_forever, name="rollout-score", daemon=True)
-    grader.start()
-    try:
-        with pytest.raises(HangError):
-            with dog.phase("generate", "rollout", waits_for_threads=True):
-                time.sleep(60)
-    finally:
-        stop.set()
-        dog.stop()
-    [stack] = stacks
-    assert stack.startswith("Culprit thread rollout-score")
-    assert "grade_forever" in stack[:2000]
-    assert len(stack) > 6000  # the full dump follows, so a tail would have missed the culprit
