@@ -190,6 +190,12 @@ def fault_site(site: str, value: Any = None, **info: Any) -> Any:
     return value
 
 
+def armed_counts() -> dict[str, int]:
+    """Handlers armed per site now (compare before and after arming a fault: the sites it uses)."""
+    with _lock:
+        return {site: len(handlers) for site, handlers in _sites.items()}
+
+
 def arm(site: str, handler: Handler) -> Callable[[], None]:
     """Arm ``handler(value, **info) -> value`` at ``site``; return a function that disarms it."""
     with _lock:
@@ -216,6 +222,7 @@ class ArmedFault:
     rate: float
     target: str | None
     seed: int
+    sites: tuple[str, ...] = ()  # where it armed in the driver (``armed_counts`` before / after)
 
 
 def publish(fault: ArmedFault, ctx: FaultContext) -> Callable[[], None]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlctl.contracts.errors import RlctlError, RoleError
-from rlctl.engine.faults import ArmedFault, FaultContext, drain_recoveries, note_step, publish
+from rlctl.engine.faults import ArmedFault, FaultContext, armed_counts, drain_recoveries, note_step, publish
 from rlctl.engine.heartbeat import NO_HEARTBEAT, Heartbeat
 from rlctl.engine.roles import ResumePoint
 from rlctl.incidents.causes import EXPLAINED_IN_STEP, WALL_CLOCK_METRICS, machine_busy
@@ -116,13 +116,21 @@ class RunGuard:
 
     def _arm_one(self, index: int, spec: Any, fired: set[int] | None, where: str) -> None:
         fault = self.plugins.build("fault", spec.kind, spec.options, where)
-        armed = ArmedFault(index=index, kind=spec.kind, options=spec.options, where=where, at_step=spec.at_step,
-                           count=_count(spec), rate=spec.rate, target=spec.target, seed=self.roles.config.run.seed)
-        ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=armed.count, rate=spec.rate,
-                           target=spec.target, options=spec.options, seed=armed.seed,
+        ctx = FaultContext(kind=spec.kind, at_step=spec.at_step, count=_count(spec), rate=spec.rate,
+                           target=spec.target, options=spec.options, seed=self.roles.config.run.seed,
                            step=lambda: self.step, record=self._recorder(index), fired_steps=fired, index=index)
-        self._disarm.append(fault.arm(ctx))
-        self._disarm.append(publish(armed, ctx))  # a Ray placement re-arms it inside its actors
+        before = armed_counts()
+        disarm = fault.arm(ctx)
+        sites = tuple(sorted(site for site, n in armed_counts().items() if n > before.get(site, 0)))
+        armed = ArmedFault(index=index, kind=spec.kind, options=spec.options, where=where, at_step=spec.at_step,
+                           count=_count(spec), rate=spec.rate, target=spec.target, seed=self.roles.config.run.seed,
+                           sites=sites)
+        try:
+            withdraw = publish(armed, ctx)  # a Ray placement re-arms it inside its actors
+        except BaseException:
+            disarm()  # a placement that cannot carry it refused it: armed nowhere
+            raise
+        self._disarm += [disarm, withdraw]
 
     def _arm_live(self) -> None:
         """Arm faults ``rlctl inject --run RUN`` dropped into ``<run_dir>/inject/`` while this run is training."""
@@ -139,7 +147,14 @@ class RunGuard:
                 spec = spec.model_copy(update={"at_step": self.step})
             index = self._num_armed
             self._num_armed += 1
-            self._arm_one(index, spec, None, f"{path}: options")
+            try:
+                self._arm_one(index, spec, None, f"{path}: options")
+            except RoleError as err:  # this run's placement cannot carry it: the run goes on without it
+                path.rename(path.with_suffix(".refused"))
+                self.registry.add_event(self.run_id, "fault_refused", f"not armed: {err}",
+                                        {"step": self.step, "fault_index": index, **spec.model_dump(mode="json")})
+                self.warn(f"injected fault {spec.kind} not armed: {err.message}")
+                continue
             path.rename(path.with_suffix(".armed"))
             self.registry.add_event(self.run_id, "fault_armed", f"armed {spec.kind} from step {spec.at_step} "
                                     f"(rlctl inject on the running run)", {"step": self.step, "fault_index": index,

@@ -28,12 +28,13 @@ from rlctl.config.models import RunConfig
 from rlctl.contracts.errors import ConfigError, RolloutUnavailable, WorkerLost
 from rlctl.contracts.roles import ClosableLearner, RolloutBackend, RunDirAware
 from rlctl.contracts.types import RolloutRequest, TaskData, Trajectory, WeightUpdate
+from rlctl.engine.faults import on_publish
 from rlctl.engine.producers import RolloutFleet
 from rlctl.engine.roles import Roles
 from rlctl.engine.spec import overlapped
 from rlctl.hooks.manager import Plugins
 from rlctl.placement.build import build_common, build_critic, build_reward_pool, learner_context
-from rlctl.placement.processes import ProcessWorker, use_processes
+from rlctl.placement.processes import ProcessWorker, refuse_worker_sites, use_processes
 
 # Model loading goes through process-global state (default device / init contexts in transformers):
 # two threads building a backend at once can leave one model with meta tensors. Builds take turns.
@@ -94,6 +95,8 @@ class LocalPlacement:
                 raise ConfigError("cluster.rollout_workers=processes cannot carry injected faults into the "
                                   "worker processes", "set cluster.rollout_workers=threads (or auto), or "
                                   "cluster.backend=ray, whose actors arm the run's faults")
+            if processes:  # a fault injected into the running run at a backend site: refused, not silently dead
+                self._closers.append(on_publish(refuse_worker_sites))
             worker = (lambda i: ProcessWorker(f"local-{i}", config.rollout, common.rollout_context(i),  # starts
                                               config.faults.verifier_retries, wait=False)) if processes else \
                 (lambda i: LocalWorker(f"local-{i}", lambda: common.build_rollout(plugins, i)))

@@ -21,9 +21,13 @@ and the child's last frames).
 
 What this is not: a fault arbiter. Injected faults live in the driver's
 process; a run that injects faults (``faults.inject``) gets thread workers
-under ``rollout_workers: auto``, and ``processes`` with faults is refused in
-the config check (rlctl.placement.local). Ray actors (rlctl.placement.ray_*)
-are the placement for faults across processes.
+under ``rollout_workers: auto``, and ``processes`` with faults is refused when
+the placement is built (rlctl.placement.local). A fault injected into the
+running run (``rlctl inject --run``) that arms a site inside the rollout
+backend is refused by ``refuse_worker_sites`` (the run records
+``fault_refused`` and goes on); learner and grader faults arm in the driver as
+usual. Ray actors (rlctl.placement.ray_*) are the placement for faults across
+processes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ from rlctl.contracts.types import RolloutContext, RolloutRequest, Trajectory, We
 # Backends whose generate is Python-bound on CPU (worth a process); HTTP engines wait on sockets (threads do).
 CPU_BOUND_BACKENDS = frozenset({"local"})
 START_TIMEOUT_S = 300.0  # importing torch and building a model in a fresh interpreter on a busy core
+
+
+# Fault sites inside a rollout backend (the engine, its environment's tools, a server's weight load): in a child.
+WORKER_SITES = ("rollout.", "tool.", "weights.published")
+
+
+def refuse_worker_sites(fault: Any, ctx: Any) -> None:
+    """on_publish listener of a placement with worker processes: a fault armed at a backend site cannot fire."""
+    inside = [site for site in fault.sites if site.startswith(WORKER_SITES)]
+    if inside:
+        raise RoleError(f"fault {fault.kind} arms {', '.join(inside)}, which runs in this run's rollout worker "
+                        "processes (cluster.rollout_workers), out of the injector's reach",
+                        "start the run with cluster.rollout_workers=threads (or faults.inject set) to inject "
+                        "rollout faults into it, or use cluster.backend=ray")
 
 
 def use_processes(config: Any) -> bool:

@@ -160,3 +160,30 @@ def test_async_on_worker_processes_loses_nothing_when_a_child_is_killed(plugins,
     assert rows[-1][1]["rollout_worker_failures"] >= 1 and rows[-1][1]["requeued_prompts"] >= 1
     report = audit(tmp_path / "queue")
     assert report.lost == () and report.double_counted == 0 and report.trained == 16
+
+
+@pytest.mark.slow
+def test_a_rollout_fault_injected_into_a_run_on_worker_processes_is_refused_and_a_learner_fault_still_fires(
+        _rlctl_home, tmp_path):
+    """`rlctl inject --run` hands faults to the running run; one that arms inside the rollout backend cannot reach
+    the worker processes: the run records why and goes on (it never fires silently nowhere)."""
+    from rlctl.config.models import FaultSpec
+    from rlctl.incidents.inject import inject_running
+    from tests.integration.test_cli import rlctl
+    from tests.integration.test_faults_process import _registry, _run_id
+
+    run_dir = tmp_path / "run"
+    inject_running(run_dir, FaultSpec(kind="slow-rollout", at_step=1, options={"delay_s": 30}))
+    inject_running(run_dir, FaultSpec(kind="oom", at_step=2))
+    proc = rlctl("train", "configs/quickstart.yaml", *TINY_OVERRIDES, "cluster.rollout_workers=auto", "mode=async",
+                 "train.steps=4", "eval.at_end=false", "--run-dir", str(run_dir), home=_rlctl_home, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "injected fault slow-rollout not armed" in proc.stderr
+    with _registry(_rlctl_home) as reg:
+        events = reg.events(_run_id(run_dir))
+    [refused] = [e for e in events if e.kind == "fault_refused"]
+    assert refused.data["kind"] == "slow-rollout" and "rollout.generate" in refused.message
+    assert "cluster.rollout_workers=threads" in refused.message
+    assert [e.data["kind"] for e in events if e.kind == "fault_armed"] == ["oom"]
+    assert any(e.kind == "oom_recovered" for e in events)  # a learner fault arms in the driver, as ever
+    assert sorted(p.suffix for p in (run_dir / "inject").iterdir()) == [".armed", ".refused"]
