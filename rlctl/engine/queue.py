@@ -136,6 +136,7 @@ class TrajectoryQueue:
         self._keys_above: set[int] = set()  # resolved draw keys at or above the floor
         self._version = 0
         self._learner_waiting = False  # a take is blocked waiting for groups (see _admissible)
+        self._unreported: TakeResult | None = None  # what a timed-out take dropped, for the next take's result
         self._next_seq = 0
         self._puts = self._duplicates = 0
         self._drops = {r: 0 for r in DROP_REASONS}
@@ -344,27 +345,23 @@ class TrajectoryQueue:
              timeout: float | None = None) -> TakeResult:
         """Take ``n`` groups for the learner at ``current_version``, oldest draw key first.
 
-        A group older than ``ttl_s`` is dropped (reason ``ttl``). A group with
-        Δv = current_version - its policy version > ``max_staleness`` is dropped
-        (``stale``) or, with ``stale_policy="reweight"``, kept and listed in
-        ``weighted``. A group from a version newer than ``current_version``
-        (generated before a learner restart rolled the version back) is dropped
-        (``orphaned``). With ``key_below`` only groups of smaller draw key are
-        eligible and the call returns early (with fewer than ``n``) once every
-        key below it is resolved (taken or dropped; see the module docstring):
-        a key not reserved yet keeps it waiting, as one still in flight does.
-        With ``min_groups`` (partial rollout) it also returns once at least
-        that many groups are taken and no other eligible one is ready yet.
-        Blocks until then or until ``timeout``.
+        A group older than ``ttl_s`` is dropped (reason ``ttl``). A group with Δv = current_version - its policy
+        version > ``max_staleness`` is dropped (``stale``) or, with ``stale_policy="reweight"``, kept and listed in
+        ``weighted``. A group from a version newer than ``current_version`` (generated before a learner restart
+        rolled the version back) is dropped (``orphaned``). With ``key_below`` only groups of smaller draw key are
+        eligible and the call returns early (with fewer than ``n``) once every key below it is resolved (taken or
+        dropped; see the module docstring): a key not reserved yet keeps it waiting, as one still in flight does.
+        With ``min_groups`` (partial rollout) it also returns once at least that many groups are taken and no
+        other eligible one is ready yet. Blocks until then or until ``timeout``.
         """
         if stale_policy not in ("drop", "reweight"):
             raise QueueError(f"unknown stale_policy {stale_policy!r}", "use 'drop' or 'reweight'")
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        out = TakeResult(groups=[], drops={r: 0 for r in DROP_REASONS}, dropped_ids=[], weighted=[], staleness=[],
-                         waited_s=0.0)
         rule = _Staleness(current_version, max_staleness, stale_policy == "reweight")
-        with self._cond:
+        with self._cond:  # the drops of a take that timed out are reported by the next one (the ledger lists them)
+            out = self._unreported or TakeResult([], {r: 0 for r in DROP_REASONS}, [], [], [], 0.0)
+            self._unreported = None
             try:
                 while not self._sweep(out, n, rule, key_below):
                     if min_groups is not None and len(out.groups) >= min_groups:
@@ -373,6 +370,9 @@ class TrajectoryQueue:
                         self._learner_waiting = True
                         self._cond.notify_all()  # a producer held back by the window may take the awaited batch
                     self._wait(deadline, f"{n} trajectory groups (have {len(out.groups)})", restore=out.groups)
+            except QueueError:  # timed out (its groups are back in the queue) or closed
+                self._unreported = TakeResult([], out.drops, out.dropped_ids, [], [], 0.0, out.dropped_tokens)
+                raise
             finally:
                 self._learner_waiting = False
             self._mark_resolved(g.key for g in out.groups)

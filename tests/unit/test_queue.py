@@ -203,6 +203,20 @@ def test_stale_groups_dropped_or_reweighted_and_counted(tmp_path):
         q.take(1, 0, stale_policy="ignore")
 
 
+def test_what_a_timed_out_take_dropped_is_reported_by_the_next_take(tmp_path):
+    """The learner retries a take that timed out; the stale groups it dropped before timing out must still reach
+    the step's result (the ledger lists them; an audit would call them lost otherwise: CI, stop 30)."""
+    q = TrajectoryQueue(tmp_path)
+    q.put_many([make_group(0, version=0), make_group(1, version=3)])
+    with pytest.raises(QueueTimeout):
+        q.take(2, current_version=3, max_staleness=1, timeout=0.05)  # drops d0, holds d1, times out
+    q.put(make_group(2, version=3))
+    r = q.take(2, current_version=3, max_staleness=1, timeout=1)
+    assert keys_of(r) == [1, 2] and r.dropped_ids == ["d0"] and r.drops["stale"] == 1
+    assert q.take(0, current_version=3).dropped_ids == []  # reported once
+    assert q.stats().drops["stale"] == 1
+
+
 def test_ttl_drops_old_groups(tmp_path):
     now = [1000.0]
     q = TrajectoryQueue(tmp_path, ttl_s=10.0, clock=lambda: now[0])
