@@ -28,141 +28,306 @@ nor the HF generic path (models off the fast path use ``scheduler: batch``).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from rlctl import SamplingConfig
+from rlctl import SamplingConfig, TerminalReason
 from rlctl.kit.algo import process_logits
-from rlctl_local_engine.sampler import _REASONS, Sampled, _LayerWeights, _eps, _left_pad, _normalized
+from rlctl_local_engine.sampler import _REASONS, Sampled
+from rlctl_local_engine.slot_decoder import _MIN_ROWS, _SlotDecoder
 
 _MASK32 = 0xFFFFFFFF
 _COMPACT_AT = 0.75  # as sampler._COMPACT_AT: compact the drained batch once at most this share is live
-_MIN_ROWS = 2  # one-row products take MKL's GEMV path, whose sums differ from the GEMM rows of larger batches
 _LENGTH, _EOS, _STOP, _ABORT = range(4)  # indices into _REASONS
 # Distinct prompts are prefilled together in this many, in the order the call names them: the prefill's
 # shapes depend on the call only, never on which slots are free.
 _PREFILL_PROMPTS = 32
+_NEVER = 1 << 40  # first_end of a row whose response has not ended
 
 
 @torch.no_grad()
 def sample_slots(model: Any, prompts: Sequence[Sequence[int]], keys: Sequence[int], sampling: SamplingConfig, *,
                  eos_id: int, num_slots: int, stop_check: Any = None, abort: Any = None,
                  min_lengths: Sequence[int] | None = None, max_lengths: Sequence[int] | None = None) -> Sampled:
-    """Sample one response per row of ``prompts`` on ``num_slots`` decode slots.
+    """Sample one response per row of ``prompts`` on ``num_slots`` decode slots (one SlotSession, drained).
 
     ``keys[row]`` seeds row ``row``'s random stream (64-bit ints; equal keys draw equal samples).
     ``abort()`` returns rows to stop now: a live row ends with TerminalReason.ABORT, a queued one ends
     empty. ``min_lengths`` as in ``sampler.sample`` (long-tail benchmark work, responses unchanged);
     ``max_lengths`` caps row i at that many tokens (default: ``sampling.max_tokens`` for every row).
     """
-    n, steps = len(prompts), sampling.max_tokens
-    limit = torch.full((n,), steps, dtype=torch.long) if max_lengths is None else \
-        torch.tensor(list(max_lengths), dtype=torch.long).clamp(max=steps)
-    min_len = None if min_lengths is None else torch.tensor(list(min_lengths), dtype=torch.long)
-    batch = max(_MIN_ROWS, min(num_slots, n))
-    dec = _SlotDecoder(model, batch, max(map(len, prompts)) + steps)
-    state = _Slots(n, batch, steps, dec.vocab)
-    streams = None if sampling.greedy else uniforms(keys, steps)  # [N, S]: row r's draw for its token t
-    queue = deque(range(n))
-    prefixes = _Prefixes(prompts, dec)
-    state.admit(queue, prefixes, dec)
-    while True:
+    session = SlotSession(model, eos_id=eos_id, num_slots=num_slots)
+    for i, (prompt, key) in enumerate(zip(prompts, keys)):
+        session.add(prompt, key, sampling, stop_check=stop_check,
+                    max_tokens=None if max_lengths is None else max_lengths[i],
+                    min_length=None if min_lengths is None else min_lengths[i])
+    out: list[Done | None] = [None] * len(prompts)
+    while not session.idle:
+        for done in session.step(abort):
+            out[done.row] = done
+    return Sampled(tokens=[d.tokens for d in out], logprobs=[d.logprobs for d in out],
+                   reasons=[d.reason for d in out])
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A row that ended: the id ``SlotSession.add`` gave it, its response and why it ended."""
+
+    row: int
+    tokens: list[int]
+    logprobs: list[float]
+    reason: TerminalReason
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    prompt: int  # index into the session's _Prefixes
+    key: int
+    sampling: SamplingConfig
+    limit: int
+    min_length: int  # 0: none
+    stop: Any
+    eos_id: int  # -1: EOS does not end the row (ignore_eos)
+
+
+class SlotSession:
+    """Continuous batching on ``num_slots`` decode slots: rows are added at any time and each ``step()``
+    draws one token for every live row; a row that ends frees its slot for the next queued row at once.
+
+    Rows are admitted in the order they were added. Rows may differ in sampling config (one draw per config
+    per step), max tokens, stop check and EOS handling. The slot batch starts as small as the queue allows
+    and grows up to ``num_slots`` when more rows wait; the cache's capacity grows with the longest prompt +
+    max tokens admitted. Not thread-safe: one thread adds, steps and aborts.
+    """
+
+    def __init__(self, model: Any, *, eos_id: int, num_slots: int) -> None:
+        self.model, self.eos_id, self.num_slots = model, eos_id, max(_MIN_ROWS, num_slots)
+        self._rows: dict[int, _Row] = {}
+        self._queue: deque[int] = deque()
+        self._next = 0
+        self._prefixes = _Prefixes()
+        self._dec: _SlotDecoder | None = None
+        self._state: _Slots | None = None
+        self._aborted: list[Done] = []  # queued rows aborted since the last step
+        self._capacity = self._steps = 0  # longest prompt + max tokens, and max tokens, of any row added
+
+    @property
+    def idle(self) -> bool:
+        """No row queued or live."""
+        return not self._queue and not self._aborted and (self._state is None or not bool((self._state.row >= 0).any()))
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def live(self) -> int:
+        return 0 if self._state is None else int((self._state.row >= 0).sum())
+
+    def add(self, prompt: Sequence[int], key: int, sampling: SamplingConfig, *, max_tokens: int | None = None,
+            min_length: int | None = None, stop_check: Any = None, ignore_eos: bool = False) -> int:
+        """Queue one row; returns its id (0, 1, ... in the order added). ``max_tokens`` caps it below
+        ``sampling.max_tokens``; ``min_length`` keeps it decoding (response cut at its first end) that long."""
+        limit = sampling.max_tokens if max_tokens is None else min(int(max_tokens), sampling.max_tokens)
+        row = self._next
+        self._next += 1
+        self._capacity = max(self._capacity, len(prompt) + sampling.max_tokens)
+        self._steps = max(self._steps, sampling.max_tokens)
+        self._rows[row] = _Row(prompt=self._prefixes.add(prompt), key=int(key), sampling=sampling, limit=limit,
+                               min_length=int(min_length or 0), stop=stop_check,
+                               eos_id=-1 if ignore_eos else self.eos_id)
+        self._queue.append(row)
+        return row
+
+    def abort(self, rows: Any) -> None:
+        """End ``rows`` now: live ones with TerminalReason.ABORT and what they drew, queued ones empty (reported
+        by the next ``step()``)."""
+        stop = set(rows)
+        if not stop:
+            return
+        if self._queue and stop & set(self._queue):
+            kept = []
+            for r in self._queue:
+                if r in stop:
+                    self._prefixes.release(self._rows.pop(r).prompt)
+                    self._aborted.append(Done(r, [], [], _REASONS[_ABORT]))
+                else:
+                    kept.append(r)
+            self._queue = deque(kept)
+        if self._state is not None:
+            self._aborted.extend(self._state.abort(stop, self._rows))
+
+    @torch.no_grad()
+    def step(self, abort: Any = None) -> list[Done]:
+        """One token for every live row (admitting queued rows into free slots first); the rows that ended.
+
+        ``abort()``, when given, is called after the draw and names rows to end at once (as ``abort``).
+        """
+        self._admit()
+        state, done = self._state, self._aborted
+        self._aborted = []
+        if state is None or not bool((state.row >= 0).any()):
+            return done
         live = state.row >= 0
-        u = None if streams is None else streams[state.row.clamp(min=0), state.t.clamp(max=steps - 1)]
-        tok, lp = _draw(state.logits, sampling, u)
-        state.record(live, tok, lp, eos_id, limit, min_len, stop_check)
+        tok, lp = state.draw(live)
+        done.extend(state.record(live, tok, lp, self._rows))
         if abort is not None:
-            state.abort(abort(), queue)
-        if not queue and not bool((state.row >= 0).any()):
-            break
-        fresh = state.admit(queue, prefixes, dec)
-        if not queue:
+            self.abort(abort())
+            done.extend(self._aborted)
+            self._aborted = []
+        fresh = self._admit()
+        if not self._queue:
             keep = state.maybe_compact()
             if keep is not None:
-                dec.keep(keep)
+                self._dec.keep(keep)
                 tok, fresh = tok[keep], fresh[keep]
         active = (state.row >= 0) & ~fresh
         if bool(active.any()):
-            state.logits = torch.where(active[:, None], dec.step(tok, active), state.logits)
-    return state.result()
+            state.logits = torch.where(active[:, None], self._dec.step(tok, active), state.logits)
+        return done
+
+    def _admit(self) -> torch.Tensor | None:
+        """Queued rows into free slots (lowest slot first), growing the batch when rows wait; fresh slots."""
+        if not self._queue:
+            return None if self._state is None else torch.zeros(self._state.row.numel(), dtype=torch.bool)
+        need_cap, need_steps = self._capacity, self._steps
+        if self._dec is None:
+            batch = max(_MIN_ROWS, min(self.num_slots, len(self._queue)))
+            self._dec = _SlotDecoder(self.model, batch, need_cap)
+            self._state = _Slots(batch, need_steps, self._dec.vocab)
+        state, dec = self._state, self._dec
+        free = int((state.row < 0).sum())
+        grow = min(self.num_slots - dec.slots, len(self._queue) - free)
+        if grow > 0 or need_cap > dec.capacity:
+            dec.resize(dec.slots + max(grow, 0), need_cap)
+        state.resize(dec.slots, need_steps)
+        return state.admit(self._queue, self._rows, self._prefixes, dec)
 
 
 class _Slots:
-    """Which row each batch slot holds, its token count and pending logits; the rows' outputs."""
+    """Which row each batch slot holds, its token count, pending logits, stream and response so far."""
 
-    def __init__(self, n: int, batch: int, steps: int, vocab: int) -> None:
-        self.tokens = torch.zeros((n, steps), dtype=torch.long)
-        self.logps = torch.zeros((n, steps), dtype=torch.float32)
-        self.lengths = torch.zeros(n, dtype=torch.long)
-        self.reason = torch.full((n,), _ABORT, dtype=torch.long)  # rows never admitted stay aborted (and empty)
-        self.first_end = torch.full((n,), steps + 1, dtype=torch.long)  # response end before min_len
+    def __init__(self, batch: int, steps: int, vocab: int) -> None:
         self.row = torch.full((batch,), -1, dtype=torch.long)  # row in each slot, -1 = free
         self.t = torch.zeros(batch, dtype=torch.long)  # tokens drawn so far by the slot's row
         self.logits = torch.zeros((batch, vocab), dtype=torch.float32)
+        self.limit = torch.zeros(batch, dtype=torch.long)
+        self.min_len = torch.zeros(batch, dtype=torch.long)
+        self.eos = torch.full((batch,), -1, dtype=torch.long)
+        self.first_end = torch.zeros(batch, dtype=torch.long)  # response end (EOS / stop) before min_len
+        self.reason = torch.zeros(batch, dtype=torch.long)
+        self.u = torch.zeros((batch, steps), dtype=torch.float64)  # the row's uniform for each token
+        self.tokens = torch.zeros((batch, steps), dtype=torch.long)
+        self.logps = torch.zeros((batch, steps), dtype=torch.float32)
+        self.sampling: list[SamplingConfig | None] = [None] * batch
+        self.stop: list[Any] = [None] * batch
+        self.special = 0  # live rows with a stop check or a min length (the slow record path)
 
-    def admit(self, queue: deque, prefixes: "_Prefixes", dec: "_SlotDecoder") -> torch.Tensor:
-        """Queued rows into free slots (lowest slot first); their first logits come from their prompt's prefill."""
+    _PER_SLOT = ("row", "t", "logits", "limit", "min_len", "eos", "first_end", "reason", "u", "tokens", "logps")
+
+    def resize(self, batch: int, steps: int) -> None:
+        more, wider = batch - self.row.numel(), steps - self.u.shape[1]
+        if more <= 0 and wider <= 0:
+            return
+        for name in self._PER_SLOT:
+            x = getattr(self, name)
+            if wider > 0 and x.dim() == 2 and name != "logits":
+                x = torch.nn.functional.pad(x, [0, wider])
+            if more > 0:
+                x = torch.cat([x, torch.full((more, *x.shape[1:]), -1 if name == "row" else 0, dtype=x.dtype)])
+            setattr(self, name, x)
+        self.sampling += [None] * max(0, more)
+        self.stop += [None] * max(0, more)
+
+    def admit(self, queue: deque, rows: dict[int, _Row], prefixes: "_Prefixes", dec: _SlotDecoder) -> torch.Tensor:
         fresh = torch.zeros(self.row.numel(), dtype=torch.bool)
-        for slot in (self.row < 0).nonzero().flatten().tolist():
-            if not queue:
-                break
-            r = queue.popleft()
-            ks, vs, logits = prefixes.take(r)
+        free = (self.row < 0).nonzero().flatten().tolist()
+        taken = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        if not taken:
+            return fresh
+        slots = torch.tensor(free[: len(taken)], dtype=torch.long)
+        streams = uniforms([rows[r].key for r in taken], self.u.shape[1])
+        for slot, r in zip(slots.tolist(), taken):
+            spec = rows[r]
+            ks, vs, logits = prefixes.take(spec.prompt, dec)
             dec.load(slot, ks, vs)
-            self.row[slot], self.t[slot], self.reason[r] = r, 0, _LENGTH
             self.logits[slot] = logits
-            fresh[slot] = True
+            self.sampling[slot], self.stop[slot] = spec.sampling, spec.stop
+            self.special += spec.stop is not None or spec.min_length > 0
+        specs = [rows[r] for r in taken]
+        self.row[slots] = torch.tensor(taken, dtype=torch.long)
+        self.t[slots] = 0
+        self.limit[slots] = torch.tensor([s.limit for s in specs], dtype=torch.long)
+        self.min_len[slots] = torch.tensor([s.min_length for s in specs], dtype=torch.long)
+        self.eos[slots] = torch.tensor([s.eos_id for s in specs], dtype=torch.long)
+        self.first_end[slots] = _NEVER
+        self.reason[slots] = _LENGTH
+        self.u[slots] = streams
+        fresh[slots] = True
         return fresh
 
-    def record(self, live: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, eos_id: int, limit: torch.Tensor,
-               min_len: torch.Tensor | None, stop_check: Any) -> None:
+    def draw(self, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token and its log-prob for every slot (free slots draw too, ignored), each row under its config."""
+        configs = {self.sampling[s] for s in live.nonzero().flatten().tolist()}
+        u = self.u[torch.arange(self.row.numel()), self.t.clamp(max=self.u.shape[1] - 1)]
+        if len(configs) == 1:
+            sampling = configs.pop()
+            return _draw(self.logits, sampling, None if sampling.greedy else u)
+        tok = torch.zeros(self.row.numel(), dtype=torch.long)
+        lp = torch.zeros(self.row.numel(), dtype=torch.float32)
+        for sampling in configs:
+            idx = torch.tensor([s for s, c in enumerate(self.sampling) if c == sampling and bool(live[s])])
+            tok[idx], lp[idx] = _draw(self.logits[idx], sampling, None if sampling.greedy else u[idx])
+        return tok, lp
+
+    def record(self, live: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, rows: dict[int, _Row]) -> list[Done]:
         slots = live.nonzero().flatten()
-        rows, t, tok = self.row[slots], self.t[slots], tok[slots]
-        self.tokens[rows, t], self.logps[rows, t] = tok, lp[slots]
+        t, tok = self.t[slots], tok[slots]
+        self.tokens[slots, t], self.logps[slots, t] = tok, lp[slots]
         t = t + 1
         self.t[slots] = t
-        if min_len is None and stop_check is None:  # the common case: a row ends at EOS or its limit
-            eos = tok == eos_id
-            done = eos | (t >= limit[rows])
-            if bool(done.any()):
-                self.reason[rows[eos]] = _EOS
-                self.first_end[rows[eos]] = t[eos]
-                self._finish(slots[done], t[done])
-            return
-        open_ = self.first_end[rows] > t  # response still running (not ended before min_len)
-        ended = (tok == eos_id) & open_
-        if stop_check is not None:
-            for j in (open_ & ~ended).nonzero().flatten().tolist():
-                if stop_check(self.tokens[rows[j], : t[j]].tolist()):
-                    ended[j] = True
-                    self.reason[rows[j]] = _STOP
-        self.reason[rows[ended & (tok == eos_id)]] = _EOS
-        self.first_end[rows[ended]] = t[ended]
-        done = (t >= limit[rows]) | ((self.first_end[rows] <= t) if min_len is None else
-                                     ((self.first_end[rows] <= t) & (t >= min_len[rows])))
-        self._finish(slots[done], t[done])
+        if not self.special:  # the common case: a row ends at EOS or its limit
+            eos = tok == self.eos[slots]
+            done = eos | (t >= self.limit[slots])
+            if not bool(done.any()):
+                return []
+            self.reason[slots[eos]] = _EOS
+            self.first_end[slots[eos]] = t[eos]
+            return self._finish(slots[done], t[done], rows)
+        open_ = self.first_end[slots] > t  # response still running (not ended before min_len)
+        ended = (tok == self.eos[slots]) & open_
+        for j in (open_ & ~ended).nonzero().flatten().tolist():
+            slot = int(slots[j])
+            check = self.stop[slot]
+            if check is not None and check(self.tokens[slot, : t[j]].tolist()):
+                ended[j] = True
+                self.reason[slot] = _STOP
+        self.reason[slots[ended & (tok == self.eos[slots])]] = _EOS
+        self.first_end[slots[ended]] = t[ended]
+        done = (t >= self.limit[slots]) | ((self.first_end[slots] <= t) & (t >= self.min_len[slots]))
+        return self._finish(slots[done], t[done], rows)
 
-    def abort(self, rows: Any, queue: deque) -> None:
-        """End the live rows among ``rows`` now; queued ones are dropped from the queue (empty, aborted)."""
-        if not rows:
-            return
-        stop = set(rows)
-        if queue and stop & set(queue):
-            kept = [r for r in queue if r not in stop]
-            queue.clear()
-            queue.extend(kept)
+    def abort(self, stop: set, rows: dict[int, _Row]) -> list[Done]:
         hit = ((self.row >= 0) & torch.isin(self.row, torch.tensor(sorted(stop), dtype=torch.long))).nonzero()
         hit = hit.flatten()
-        if hit.numel():
-            self.reason[self.row[hit]] = _ABORT
-            self.first_end[self.row[hit]] = torch.minimum(self.first_end[self.row[hit]], self.t[hit])
-            self._finish(hit, self.t[hit])
+        if not hit.numel():
+            return []
+        self.reason[hit] = _ABORT
+        self.first_end[hit] = torch.minimum(self.first_end[hit], self.t[hit])
+        return self._finish(hit, self.t[hit], rows)
 
-    def _finish(self, slots: torch.Tensor, t: torch.Tensor) -> None:
-        rows = self.row[slots]
-        self.lengths[rows] = torch.minimum(t, self.first_end[rows])  # cut what followed an early end
+    def _finish(self, slots: torch.Tensor, t: torch.Tensor, rows: dict[int, _Row]) -> list[Done]:
+        lengths = torch.minimum(t, self.first_end[slots]).tolist()  # cut what followed an early end
+        out = []
+        for slot, k, r, why in zip(slots.tolist(), lengths, self.row[slots].tolist(), self.reason[slots].tolist()):
+            out.append(Done(r, self.tokens[slot, :k].tolist(), self.logps[slot, :k].tolist(), _REASONS[why]))
+            spec = rows.pop(r)
+            self.special -= spec.stop is not None or spec.min_length > 0
+            self.sampling[slot] = self.stop[slot] = None
         self.row[slots] = -1
+        return out
 
     def maybe_compact(self) -> torch.Tensor | None:
         """Slots to keep once the queue is drained and at most _COMPACT_AT of them are live, else None."""
@@ -173,36 +338,53 @@ class _Slots:
         keep = live.nonzero().flatten()
         if keep.numel() < _MIN_ROWS:  # pad with free slots: a one-row batch would change the kernels
             keep = torch.cat([keep, (~live).nonzero().flatten()[: _MIN_ROWS - keep.numel()]]).sort().values
-        self.row, self.t, self.logits = self.row[keep], self.t[keep], self.logits[keep]
+        for name in self._PER_SLOT:
+            setattr(self, name, getattr(self, name)[keep])
+        idx = keep.tolist()
+        self.sampling = [self.sampling[i] for i in idx]
+        self.stop = [self.stop[i] for i in idx]
         return keep
-
-    def result(self) -> Sampled:
-        lengths, tokens, logps = self.lengths.tolist(), self.tokens.tolist(), self.logps.tolist()
-        return Sampled(tokens=[row[:k] for row, k in zip(tokens, lengths)],
-                       logprobs=[row[:k] for row, k in zip(logps, lengths)],
-                       reasons=[_REASONS[c] for c in self.reason.tolist()])
 
 
 class _Prefixes:
-    """Each distinct prompt's keys, values and last logits, prefilled _PREFILL_PROMPTS prompts at a time when
-    the first row of the batch is admitted, and dropped once every row of that prompt has been."""
+    """Each distinct queued prompt's keys, values and last logits: prefilled _PREFILL_PROMPTS prompts at a time
+    (the one a row needs, then the next waiting ones in the order they were first added) when a row of one is
+    admitted, and dropped once every queued row of that prompt has been."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], dec: "_SlotDecoder") -> None:
-        index: dict[tuple[int, ...], int] = {}
-        self.of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
-        self.distinct = [list(p) for p in index]
-        self.left = [0] * len(self.distinct)
-        for u in self.of_row:
-            self.left[u] += 1
+    def __init__(self) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.distinct: list[list[int]] = []
+        self.left: list[int] = []
+        self.waiting: deque[int] = deque()  # distinct prompts with queued rows and no prefill yet, in order
         self.ready: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
-        self.dec = dec
 
-    def take(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        u = self.of_row[row]
+    def add(self, prompt: Sequence[int]) -> int:
+        key = tuple(prompt)
+        u = self.index.get(key)
+        if u is None:
+            u = self.index[key] = len(self.distinct)
+            self.distinct.append(list(key))
+            self.left.append(0)
+        if self.left[u] == 0 and u not in self.ready:
+            self.waiting.append(u)
+        self.left[u] += 1
+        return u
+
+    def release(self, u: int) -> None:
+        """A queued row of prompt ``u`` left without being admitted."""
+        self.left[u] -= 1
+        if self.left[u] == 0:
+            self.ready.pop(u, None)
+            if u in self.waiting:
+                self.waiting.remove(u)
+
+    def take(self, u: int, dec: _SlotDecoder) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         if u not in self.ready:
-            start = u - u % _PREFILL_PROMPTS
-            batch = self.distinct[start: start + _PREFILL_PROMPTS]
-            self.ready.update(zip(range(start, start + len(batch)), self.dec.prefill(batch)))
+            batch = [u]
+            self.waiting.remove(u)
+            while self.waiting and len(batch) < _PREFILL_PROMPTS:
+                batch.append(self.waiting.popleft())
+            self.ready.update(zip(batch, dec.prefill([self.distinct[v] for v in batch])))
         self.left[u] -= 1
         return self.ready.pop(u) if self.left[u] == 0 else self.ready[u]
 
@@ -246,127 +428,3 @@ def _draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor | None
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class _SlotDecoder:
-    """The Llama decoder of ``sampler._LlamaDecoder`` with a position and a cache region per slot.
-
-    Cache ``[slots, Hkv, capacity, d]``: a slot's prompt at 0..L-1, its new tokens after; an additive key
-    mask per slot (-inf where nothing is written). Weights are refolded as in the batch decoder and stored
-    transposed (see _MIN_ROWS). A decode step attends over the whole capacity, masked: the score and value
-    products then have one shape for the whole call whatever the other slots hold (trimming to the batch's
-    longest row made MKL pick kernels by that width, and a row's scores changed in the last bits with the
-    schedule).
-    """
-
-    def __init__(self, model: Any, slots: int, capacity: int) -> None:
-        inner, cfg = model.model, model.config
-        self.inner = inner
-        self.head_dim = inner.layers[0].self_attn.head_dim
-        self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.layers = [_Transposed.of(_LayerWeights.of(layer)) for layer in inner.layers]
-        head = model.lm_head.weight * inner.norm.weight
-        self.head, self.head_bias = head.t().contiguous(), getattr(model.lm_head, "bias", None)
-        self.vocab, self.eps = head.shape[0], _eps(inner.norm)
-        table = torch.arange(capacity + 1)[None]
-        cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], table)  # [1, P, d]
-        half = self.head_dim // 2
-        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [P, d]
-        dtype = inner.embed_tokens.weight.dtype
-        shape = (slots, self.num_kv, capacity, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in inner.layers]  # zeros: masked keys never hold NaN
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in inner.layers]
-        self.bias = torch.full((slots, capacity), float("-inf"), dtype=dtype)
-        self.pos = torch.zeros(slots, dtype=torch.long)  # next position to write, per slot
-        self.capacity = capacity
-
-    def prefill(self, prompts: Sequence[Sequence[int]]
-                ) -> list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]:
-        """Left-padded prompts together: per prompt, its per-layer keys and values (padding cut) and last logits."""
-        ids, mask = _left_pad(prompts, 0)
-        count, width = ids.shape
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp]
-        x = self.inner.embed_tokens(ids)  # [U, Lp, h]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [U, 1, Lp, d]
-        allowed = torch.ones((width, width), dtype=torch.bool).tril()[None] & (mask[:, None, :] == 1)
-        allowed |= torch.eye(width, dtype=torch.bool)[None]  # a pad query sees itself: no all-masked row
-        bias = torch.zeros(allowed.shape, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))[:, None]
-        ks, vs = [], []
-        for w in self.layers:
-            x, k, v = self._layer(w, x, cos, sin, bias, None)
-            ks.append(k)
-            vs.append(v)
-        logits = self._logits(x[:, -1])  # [U, V]
-        return [([k[u, :, width - len(p):].clone() for k in ks], [v[u, :, width - len(p):].clone() for v in vs],
-                 logits[u]) for u, p in enumerate(prompts)]
-
-    def load(self, slot: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
-        width = ks[0].shape[1]
-        for i in range(len(self.layers)):
-            self.k[i][slot, :, :width] = ks[i]
-            self.v[i][slot, :, :width] = vs[i]
-        self.bias[slot] = float("-inf")
-        self.bias[slot, :width] = 0.0
-        self.pos[slot] = width
-
-    def keep(self, slots: torch.Tensor) -> None:
-        self.k = [k[slots] for k in self.k]
-        self.v = [v[slots] for v in self.v]
-        self.bias, self.pos = self.bias[slots], self.pos[slots]
-
-    def step(self, tok: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """One token per slot; only ``active`` slots write their key (unmasked) and advance."""
-        at = self.pos.clamp(max=self.capacity - 1)  # [n]
-        x = self.inner.embed_tokens(tok[:, None])  # [n, 1, h]
-        cos, sin = self.cos[at][:, None, None], self.sin[at][:, None, None]  # [n, 1, 1, d]
-        self.bias[active.nonzero().flatten(), at[active]] = 0.0
-        bias = self.bias[:, None, None, :]  # the whole capacity: see _SlotDecoder
-        for w_i, w in enumerate(self.layers):
-            x, _, _ = self._layer(w, x, cos, sin, bias, (w_i, at))
-        self.pos = self.pos + active.long()
-        return self._logits(x[:, -1])
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.matmul(_normalized(x, self.eps), self.head)
-        return out if self.head_bias is None else out + self.head_bias
-
-    def _layer(self, w: "_Transposed", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
-               decode: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, q_len, _ = x.shape
-        heads, kv, d = self.num_heads, self.num_kv, self.head_dim
-        y = _linear(_normalized(x, w.eps1), w.qkv, w.qkv_bias).view(n, q_len, -1, d).transpose(1, 2)
-        qk = y[:, : heads + kv]
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-        q, k, v = qk[:, :heads], qk[:, heads:], y[:, heads + kv:]
-        if decode is None:  # prefill
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0,
-                                                                   enable_gqa=kv != heads)
-            out = out.transpose(1, 2).reshape(n, q_len, heads * d)
-        else:
-            i, at = decode
-            rows = torch.arange(n)
-            self.k[i][rows, :, at] = k[:, :, 0]
-            self.v[i][rows, :, at] = v[:, :, 0]
-            keys, values = self.k[i], self.v[i]  # [n, Hkv, S, d]
-            scores = torch.matmul(q.reshape(n, kv, heads // kv, d), keys.transpose(-1, -2))  # [n, Hkv, g, S]
-            out = torch.matmul(torch.softmax(scores.add_(bias), dim=-1), values).view(n, 1, heads * d)
-        x = x + _linear(out, w.o, w.o_bias)
-        gate, up = _linear(_normalized(x, w.eps2), w.gate_up, None).chunk(2, dim=-1)
-        return x + _linear(w.act(gate) * up, w.down, None), k, v
-
-
-class _Transposed:
-    """_LayerWeights with every matrix stored as [in, out] (x @ W: batch-invariant GEMM rows, see _MIN_ROWS)."""
-
-    __slots__ = ("eps1", "qkv", "qkv_bias", "o", "o_bias", "eps2", "gate_up", "down", "act")
-
-    @classmethod
-    def of(cls, w: _LayerWeights) -> "_Transposed":
-        out = cls()
-        out.eps1, out.eps2, out.act, out.qkv_bias, out.o_bias = w.eps1, w.eps2, w.act, w.qkv_bias, w.o_bias
-        out.qkv, out.o = w.qkv.t().contiguous(), w.o.t().contiguous()
-        out.gate_up, out.down = w.gate_up.t().contiguous(), w.down.t().contiguous()
-        return out
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.matmul(x, weight_t)
-    return out if bias is None else out + bias

@@ -1,0 +1,165 @@
+"""The slot scheduler's decoder: the static-cache Llama decoder with a position and a cache region per slot.
+
+What this is: ``_SlotDecoder`` (prefill of distinct prompts, per-slot cache load, one masked decode step over
+every slot, compaction and growth of the slot batch and of the cache's capacity) for slots.py. What this is not:
+a scheduler (slots.py decides which row sits in which slot) nor paged attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from rlctl_local_engine.sampler import _LayerWeights, _eps, _left_pad, _normalized
+
+_MIN_ROWS = 2  # one-row products take MKL's GEMV path, whose sums differ from the GEMM rows of larger batches
+
+
+class _SlotDecoder:
+    """The Llama decoder of ``sampler._LlamaDecoder`` with a position and a cache region per slot.
+
+    Cache ``[slots, Hkv, capacity, d]``: a slot's prompt at 0..L-1, its new tokens after; an additive key
+    mask per slot (-inf where nothing is written). Weights are refolded as in the batch decoder and stored
+    transposed (see _MIN_ROWS). A decode step attends over the whole capacity, masked: the score and value
+    products then have one shape for the whole call whatever the other slots hold (trimming to the batch's
+    longest row made MKL pick kernels by that width, and a row's scores changed in the last bits with the
+    schedule).
+    """
+
+    def __init__(self, model: Any, slots: int, capacity: int) -> None:
+        inner, cfg = model.model, model.config
+        self.inner = inner
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.layers = [_Transposed.of(_LayerWeights.of(layer)) for layer in inner.layers]
+        head = model.lm_head.weight * inner.norm.weight
+        self.head, self.head_bias = head.t().contiguous(), getattr(model.lm_head, "bias", None)
+        self.vocab, self.eps = head.shape[0], _eps(inner.norm)
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.capacity = 0
+        self.k = [torch.zeros((slots, self.num_kv, 0, self.head_dim), dtype=self.dtype) for _ in inner.layers]
+        self.v = [k.clone() for k in self.k]
+        self.bias = torch.zeros((slots, 0), dtype=self.dtype)
+        self.pos = torch.zeros(slots, dtype=torch.long)  # next position to write, per slot
+        self.resize(slots, capacity)
+
+    @property
+    def slots(self) -> int:
+        return self.pos.numel()
+
+    def resize(self, slots: int, capacity: int) -> None:
+        """Grow to ``slots`` slots (new ones free) and ``capacity`` positions per slot (new ones masked)."""
+        more, wider = max(0, slots - self.slots), max(0, capacity - self.capacity)
+        if wider:
+            self.capacity = capacity
+            cos, sin = self.inner.rotary_emb(self.inner.embed_tokens.weight[:1], torch.arange(capacity + 1)[None])
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [P, d]
+        if not (more or wider):
+            return
+
+        def grown(x: torch.Tensor, fill: float) -> torch.Tensor:  # zeros: masked keys never hold NaN
+            pad = [0, 0, 0, wider] if x.dim() == 4 else [0, wider]
+            x = torch.nn.functional.pad(x, pad, value=fill) if wider else x
+            if more:
+                x = torch.cat([x, torch.full((more, *x.shape[1:]), fill, dtype=x.dtype)])
+            return x
+
+        self.k = [grown(k, 0.0) for k in self.k]
+        self.v = [grown(v, 0.0) for v in self.v]
+        self.bias = grown(self.bias, float("-inf"))
+        self.pos = torch.cat([self.pos, torch.zeros(more, dtype=torch.long)])
+
+    def prefill(self, prompts: Sequence[Sequence[int]]
+                ) -> list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]:
+        """Left-padded prompts together: per prompt, its per-layer keys and values (padding cut) and last logits."""
+        ids, mask = _left_pad(prompts, 0)
+        count, width = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp]
+        x = self.inner.embed_tokens(ids)  # [U, Lp, h]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [U, 1, Lp, d]
+        allowed = torch.ones((width, width), dtype=torch.bool).tril()[None] & (mask[:, None, :] == 1)
+        allowed |= torch.eye(width, dtype=torch.bool)[None]  # a pad query sees itself: no all-masked row
+        bias = torch.zeros(allowed.shape, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))[:, None]
+        ks, vs = [], []
+        for w in self.layers:
+            x, k, v = self._layer(w, x, cos, sin, bias, None)
+            ks.append(k)
+            vs.append(v)
+        logits = self._logits(x[:, -1])  # [U, V]
+        return [([k[u, :, width - len(p):].clone() for k in ks], [v[u, :, width - len(p):].clone() for v in vs],
+                 logits[u]) for u, p in enumerate(prompts)]
+
+    def load(self, slot: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        width = ks[0].shape[1]
+        for i in range(len(self.layers)):
+            self.k[i][slot, :, :width] = ks[i]
+            self.v[i][slot, :, :width] = vs[i]
+        self.bias[slot] = float("-inf")
+        self.bias[slot, :width] = 0.0
+        self.pos[slot] = width
+
+    def keep(self, slots: torch.Tensor) -> None:
+        self.k = [k[slots] for k in self.k]
+        self.v = [v[slots] for v in self.v]
+        self.bias, self.pos = self.bias[slots], self.pos[slots]
+
+    def step(self, tok: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """One token per slot; only ``active`` slots write their key (unmasked) and advance."""
+        at = self.pos.clamp(max=self.capacity - 1)  # [n]
+        x = self.inner.embed_tokens(tok[:, None])  # [n, 1, h]
+        cos, sin = self.cos[at][:, None, None], self.sin[at][:, None, None]  # [n, 1, 1, d]
+        self.bias[active.nonzero().flatten(), at[active]] = 0.0
+        bias = self.bias[:, None, None, :]  # the whole capacity: see _SlotDecoder
+        for w_i, w in enumerate(self.layers):
+            x, _, _ = self._layer(w, x, cos, sin, bias, (w_i, at))
+        self.pos = self.pos + active.long()
+        return self._logits(x[:, -1])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(_normalized(x, self.eps), self.head)
+        return out if self.head_bias is None else out + self.head_bias
+
+    def _layer(self, w: "_Transposed", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
+               decode: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, q_len, _ = x.shape
+        heads, kv, d = self.num_heads, self.num_kv, self.head_dim
+        y = _linear(_normalized(x, w.eps1), w.qkv, w.qkv_bias).view(n, q_len, -1, d).transpose(1, 2)
+        qk = y[:, : heads + kv]
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+        q, k, v = qk[:, :heads], qk[:, heads:], y[:, heads + kv:]
+        if decode is None:  # prefill
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0,
+                                                                   enable_gqa=kv != heads)
+            out = out.transpose(1, 2).reshape(n, q_len, heads * d)
+        else:
+            i, at = decode
+            rows = torch.arange(n)
+            self.k[i][rows, :, at] = k[:, :, 0]
+            self.v[i][rows, :, at] = v[:, :, 0]
+            keys, values = self.k[i], self.v[i]  # [n, Hkv, S, d]
+            scores = torch.matmul(q.reshape(n, kv, heads // kv, d), keys.transpose(-1, -2))  # [n, Hkv, g, S]
+            out = torch.matmul(torch.softmax(scores.add_(bias), dim=-1), values).view(n, 1, heads * d)
+        x = x + _linear(out, w.o, w.o_bias)
+        gate, up = _linear(_normalized(x, w.eps2), w.gate_up, None).chunk(2, dim=-1)
+        return x + _linear(w.act(gate) * up, w.down, None), k, v
+
+
+class _Transposed:
+    """_LayerWeights with every matrix stored as [in, out] (x @ W: batch-invariant GEMM rows, see _MIN_ROWS)."""
+
+    __slots__ = ("eps1", "qkv", "qkv_bias", "o", "o_bias", "eps2", "gate_up", "down", "act")
+
+    @classmethod
+    def of(cls, w: _LayerWeights) -> "_Transposed":
+        out = cls()
+        out.eps1, out.eps2, out.act, out.qkv_bias, out.o_bias = w.eps1, w.eps2, w.act, w.qkv_bias, w.o_bias
+        out.qkv, out.o = w.qkv.t().contiguous(), w.o.t().contiguous()
+        out.gate_up, out.down = w.gate_up.t().contiguous(), w.down.t().contiguous()
+        return out
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.matmul(x, weight_t)
+    return out if bias is None else out + bias
