@@ -45,7 +45,7 @@ from rlctl.kit import (
 )
 from rlctl_local_engine.options import LocalEngineOptions
 from rlctl_local_engine.sampler import fast_path_supported, sample
-from rlctl_local_engine.slots import row_key, sample_slots
+from rlctl_local_engine.slots import SlotSession, row_key, sample_slots
 
 
 class LocalEngine:
@@ -69,6 +69,7 @@ class LocalEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
+        self.weights_epoch = 0  # counts weight updates (an EngineSession is bound to one epoch)
 
     def generate(self, requests: Sequence[RolloutRequest], *,
                  cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
@@ -172,21 +173,33 @@ class LocalEngine:
                                 pad_id=self.tokenizer.pad_token_id, generator=self._generator,
                                 stop_check=stop_check, abort=abort, min_lengths=tail)
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
-        trajectories = []
-        row = 0
-        for _, req, groups in chunk:
-            for g in groups:
-                trajectories.append(Trajectory.create(
-                    id=f"{req.prompt_id}/v{self.policy_version}/c{self._calls}/{g}",
-                    prompt_id=req.prompt_id, group_index=g, dataset_version=req.dataset_version,
-                    policy_version=self.policy_version, tokenizer_hash=self.tokenizer_hash,
-                    prompt_tokens=tuple(req.prompt_tokens), response_tokens=tuple(result.tokens[row]),
-                    response_text=texts[row], action_mask=(1,) * len(result.tokens[row]),
-                    behavior_logprobs=tuple(result.logprobs[row]), sampling_config=sampling,
-                    terminal_reason=result.reasons[row], rollout_started_at=started,
-                ))
-                row += 1
-        return trajectories
+        rows = [(req, g) for _, req, groups in chunk for g in groups]
+        return [self._trajectory(req, g, result.tokens[i], result.logprobs[i], result.reasons[i], texts[i], started,
+                                 self._calls)
+                for i, (req, g) in enumerate(rows)]
+
+    def _trajectory(self, req: RolloutRequest, g: int, tokens: Sequence[int], logprobs: Sequence[float],
+                    reason: Any, text: str, started: float, call: int) -> Trajectory:
+        return Trajectory.create(
+            id=f"{req.prompt_id}/v{self.policy_version}/c{call}/{g}", prompt_id=req.prompt_id, group_index=g,
+            dataset_version=req.dataset_version, policy_version=self.policy_version,
+            tokenizer_hash=self.tokenizer_hash, prompt_tokens=tuple(req.prompt_tokens),
+            response_tokens=tuple(tokens), response_text=text, action_mask=(1,) * len(tokens),
+            behavior_logprobs=tuple(logprobs), sampling_config=req.sampling, terminal_reason=reason,
+            rollout_started_at=started)
+
+    def supports_sessions(self) -> bool:
+        """Whether ``open_session`` can run this model (the fp32 Llama/Qwen2 fast path)."""
+        return fast_path_supported(self.model)
+
+    def open_session(self, num_slots: int) -> "EngineSession":
+        """Continuous batching on ``num_slots`` decode slots over the weights served now (EngineSession)."""
+        if not fast_path_supported(self.model):
+            raise RoleError("continuous batching needs an fp32 Llama/Qwen2-shaped model (the static-cache fast "
+                            "path)", "serve this model with --scheduler batch")
+        self._reload_weights()
+        self._calls += 1
+        return EngineSession(self, num_slots)
 
     def _tail_lengths(self, n: int, max_tokens: int) -> list[int] | None:
         """Pareto-distributed decode lengths for the long-tail option (own generator: sampling is unchanged)."""
@@ -208,9 +221,11 @@ class LocalEngine:
         """All or nothing: the whole update is checked and staged before the served weights change.
 
         With offloaded weights the update is staged and swapped in host memory; the next call moves it to the device.
+        An open EngineSession decodes with the weights it was opened on: it refuses to step after this.
         """
         self.fingerprint = apply_update(self.model, update)
         self.policy_version = update.version
+        self.weights_epoch += 1
 
     def generate_cancellable(self, requests: Sequence[RolloutRequest],
                              cancelled: Callable[[], Collection[int]]) -> list[Trajectory]:
@@ -236,6 +251,71 @@ class LocalEngine:
 
     def close(self) -> None:
         self.model = None
+
+
+class EngineSession:
+    """Continuous batching over a LocalEngine's weights as they were when it opened (slots.SlotSession).
+
+    What this is: requests go in at any time (``add``), each ``step()`` decodes one token for every live row and
+    returns the rows that ended as Trajectory records, at once; ``abort`` ends rows now. Row g of the k-th request
+    added draws from stream (seed, session number, k, g): its sample does not depend on what else is decoding.
+    What this is not: thread-safe (one thread adds, steps and aborts), nor valid across a weight update (open a new
+    one after ``update_weights``; a stale session refuses to step).
+    """
+
+    def __init__(self, engine: LocalEngine, num_slots: int) -> None:
+        self.engine, self._epoch, self._number = engine, engine.weights_epoch, engine._calls
+        self._session = SlotSession(engine.model, eos_id=engine.tokenizer.eos_token_id, num_slots=num_slots)
+        self._rows: dict[int, tuple[RolloutRequest, int, float]] = {}
+        self._requests = 0
+        self._stops: dict[tuple[str, ...], Any] = {}
+
+    @property
+    def idle(self) -> bool:
+        return self._session.idle
+
+    @property
+    def live(self) -> int:
+        return self._session.live
+
+    @property
+    def queued(self) -> int:
+        return self._session.queued
+
+    def add(self, request: RolloutRequest, *, ignore_eos: bool = False) -> list[int]:
+        """Queue the request's ``group_size`` rows; their ids, in group order."""
+        fault_site("rollout.generate", requests=1)
+        sampling, k = request.sampling, self._requests
+        self._requests += 1
+        stop = None
+        if sampling.stop:
+            stop = self._stops.setdefault(tuple(sampling.stop), self.engine._stop_check(sampling.stop))
+        started = time.time()
+        ids = []
+        for g in range(request.group_size):
+            row = self._session.add(request.prompt_tokens, row_key(self.engine._seed, self._number, k, g), sampling,
+                                    stop_check=stop, ignore_eos=ignore_eos)
+            self._rows[row] = (request, g, started)
+            ids.append(row)
+        return ids
+
+    def abort(self, rows: Collection[int]) -> None:
+        self._session.abort(rows)
+
+    def step(self) -> list[tuple[int, Trajectory]]:
+        """One decode step; (row id, Trajectory) for each row that ended."""
+        engine = self.engine
+        if engine.weights_epoch != self._epoch:
+            raise RoleError("the engine's weights changed under an open session", "open a new session after an update")
+        with placed(engine.device):
+            done = self._session.step()
+        out = []
+        for d in done:
+            req, g, started = self._rows.pop(d.row)
+            text = engine.tokenizer.decode(d.tokens, skip_special_tokens=True)
+            out.append((d.row, engine._trajectory(req, g, d.tokens, d.logprobs, d.reason, text, started,
+                                                          self._number)))
+        return out
 
 
 def _chunks(requests: Sequence[RolloutRequest], cap: int) -> list[list[tuple[int, RolloutRequest, range]]]:

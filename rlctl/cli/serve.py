@@ -40,10 +40,14 @@ def rollout(
                                                 "directory, e.g. the trainer's rollout.options.publish_dir."),
     backend: str = typer.Option("local", "--backend", help="Registered rollout backend that does the sampling."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed of the engine."),
+    scheduler: str = typer.Option("auto", "--scheduler", help="continuous: requests join the decode batch "
+                                  "between steps and each row frees its slot when it ends (the local engine on an "
+                                  "fp32 Llama/Qwen2 model); batch: a batch runs to its longest row; auto: "
+                                  "continuous where it can run."),
     batch_wait_ms: float = typer.Option(5.0, "--batch-wait-ms", min=0.0, help="How long to collect requests "
-                                        "into a batch."),
+                                        "into a batch (batch scheduler)."),
     max_batch_rows: int = typer.Option(256, "--max-batch-rows", min=1, help="Rows per engine batch, shared "
-                                       "evenly among waiting requests."),
+                                       "evenly among waiting requests (continuous: decode slots)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Cap on "
                                                  "sampling_params.max_new_tokens (default 1024, and at most the "
                                                  "model's positions - 1)."),
@@ -63,7 +67,8 @@ def rollout(
     http = HttpOptions(api_key=api_key or None, max_connections=max_connections, max_requests=max_requests,
                        read_timeout_s=read_timeout_s)
     service = build_service(model, backend=backend, seed=seed, max_wait_s=batch_wait_ms / 1000.0,
-                            max_batch_rows=max_batch_rows, weights_root=weights_root, max_new_tokens=max_new_tokens,
+                            max_batch_rows=max_batch_rows, weights_root=weights_root, scheduler=scheduler,
+                            max_new_tokens=max_new_tokens,
                             max_prompts=max_prompts,
                             max_body_bytes=None if max_body_mb is None else int(max_body_mb * (1 << 20)))
     serve(service, host, port, http=http, verbose=verbose,

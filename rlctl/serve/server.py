@@ -27,7 +27,8 @@ configured by rlctl.serve.listener and rlctl.serve.asgi (trust, body limits,
 request deadlines, connection limits, errors in SGLang's shape). Here: limits
 checked at parse time (prompts per request, prompt tokens, max_new_tokens,
 token ids, finite numbers, strict types, unknown fields; all 400 naming the
-field); fair slices and per-request isolation in the engine worker;
+field); continuous batching across requests (rlctl.serve.continuous, ``--scheduler``), or fair
+slices and per-request isolation in the batch engine worker;
 generation cancelled when the client disconnects or on shutdown;
 ``weight_version`` short printable ASCII; ``weights_root`` confines
 ``model_path`` and every symlink inside it, and errors about paths outside
@@ -38,6 +39,7 @@ What this is not: a production server (use SGLang itself on GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -63,7 +65,8 @@ class RolloutService:
 
     def __init__(self, engine: Any, tokenizer: Any, model_dir: str, *, backend: str = "local",
                  weight_version: str = "default", max_wait_s: float = 0.005, max_batch_rows: int = 256,
-                 limits: Limits | None = None, weights_root: str | Path | None = None) -> None:
+                 limits: Limits | None = None, weights_root: str | Path | None = None, scheduler: str = "auto") -> None:
+        from rlctl.serve.continuous import ContinuousWorker, can_serve_continuously
         from rlctl.serve.metrics import ServeMetrics
         from rlctl.serve.worker import EngineWorker
 
@@ -75,10 +78,17 @@ class RolloutService:
         self.eos_id = tokenizer.eos_token_id
         self._config = _read_config(Path(model_dir))
         self.limits = limits or default_limits(self._config, tokenizer)
+        self.scheduler = _pick_scheduler(scheduler, can_serve_continuously(engine), backend)
+        self.limits = dataclasses.replace(self.limits, ignore_eos=self.scheduler == "continuous")
         self.weights_root = Path(os.path.realpath(weights_root)) if weights_root is not None else None
         self.metrics = ServeMetrics(collect=self._families)
-        self.worker = EngineWorker(engine, weight_version=weight_version, max_wait_s=max_wait_s,
-                                   max_batch_rows=max_batch_rows, observe=self.metrics.observe_batch)
+        if self.scheduler == "continuous":
+            self.worker: EngineWorker = ContinuousWorker(engine, weight_version=weight_version,
+                                                         max_batch_rows=max_batch_rows,
+                                                         observe=self.metrics.observe_batch)
+        else:
+            self.worker = EngineWorker(engine, weight_version=weight_version, max_wait_s=max_wait_s,
+                                       max_batch_rows=max_batch_rows, observe=self.metrics.observe_batch)
         self._rids = itertools.count()
         self._state_lock = threading.Lock()  # weights + weight_version change together, and are read together
         served = engine.state_dict() if isinstance(engine, ReadableWeights) else {}
@@ -247,7 +257,7 @@ class RolloutService:
     def server_info(self) -> dict[str, Any]:
         s = self.worker.stats
         return {"weight_version": self.worker.weight_version, "max_batch_rows": self.worker.max_batch_rows,
-                "rlctl": {"batches": s.batches, "requests": s.requests, "rows": s.rows,
+                "rlctl": {"scheduler": self.scheduler, "batches": s.batches, "requests": s.requests, "rows": s.rows,
                           "largest_batch_rows": s.largest_batch_rows,
                           "largest_batch_requests": s.largest_batch_requests,
                           "retried_alone": s.retried_alone, "cancelled": s.cancelled, "idle": self.worker.idle,
@@ -255,6 +265,22 @@ class RolloutService:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.worker.close(timeout_s)
+
+
+SCHEDULERS = ("auto", "continuous", "batch")
+
+
+def _pick_scheduler(scheduler: str, continuous_ok: bool, backend: str) -> str:
+    """``auto``: continuous where the backend can run it (the local engine on a fast-path model), else batch."""
+    if scheduler not in SCHEDULERS:
+        raise RoleError(f"--scheduler {scheduler!r} is not one of {', '.join(SCHEDULERS)}", "pick one of them")
+    if scheduler == "continuous" and not continuous_ok:
+        raise RoleError(f"--scheduler continuous needs a backend that opens decode sessions (the local engine on an "
+                        f"fp32 Llama/Qwen2-shaped model); backend {backend!r} with this model cannot",
+                        "pass --scheduler batch (or auto)")
+    if scheduler == "auto":
+        return "continuous" if continuous_ok else "batch"
+    return scheduler
 
 
 def _link_out_of(directory: Path, root: Path, max_entries: int = 10_000) -> bool:
@@ -429,7 +455,7 @@ def rollout_routes(service: RolloutService, http: HttpOptions) -> Routes:
 
 def build_service(model_dir: str | Path, *, backend: str = "local", seed: int = 0, weight_version: str = "default",
                   max_wait_s: float = 0.005, max_batch_rows: int = 256, weights_root: str | Path | None = None,
-                  **limits: Any) -> RolloutService:
+                  scheduler: str = "auto", **limits: Any) -> RolloutService:
     """Load the tokenizer and build the named rollout backend through the plugin registry.
 
     ``limits``: max_new_tokens, max_prompts, max_body_bytes (None keeps the default).
@@ -453,7 +479,7 @@ def build_service(model_dir: str | Path, *, backend: str = "local", seed: int = 
     engine = load_plugins().build("rollout_backend", backend, {}, "serve --backend", ctx=ctx)
     return RolloutService(engine, tokenizer, str(root), backend=backend, weight_version=weight_version,
                           max_wait_s=max_wait_s, max_batch_rows=max_batch_rows, limits=bounds,
-                          weights_root=weights_root)
+                          weights_root=weights_root, scheduler=scheduler)
 
 
 def serve(service: RolloutService, host: str, port: int, *, http: HttpOptions | None = None, verbose: bool = False,

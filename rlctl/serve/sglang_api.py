@@ -47,7 +47,7 @@ SGLANG_SAMPLING_KEYS = (
 # Keys accepted only at their neutral value: (key, allowed values).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_new_tokens": (0,), "ignore_eos": (False,), "skip_special_tokens": (True,), "stop_token_ids": (None, []),
+    "min_new_tokens": (0,), "skip_special_tokens": (True,), "stop_token_ids": (None, []),
     "stop_regex": (None,), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
     "logit_bias": (None, {}), "sampling_seed": (None,), "custom_params": (None,), "beam_width": (None,),
     "watermark": (None,), "choice": (None,),
@@ -118,6 +118,7 @@ class Limits:
     max_new_tokens: int = 1024  # cap on sampling_params.max_new_tokens (and positions - 1)
     max_prompts: int = 512  # rows per request, ``n`` copies included
     max_body_bytes: int = 8 << 20  # request body size
+    ignore_eos: bool = False  # sampling_params.ignore_eos may be true (the continuous scheduler honours it)
 
     def __post_init__(self) -> None:
         for name in ("positions", "vocab_size", "max_new_tokens", "max_prompts", "max_body_bytes"):
@@ -144,6 +145,7 @@ class Row:
     rid: str
     return_logprob: bool
     no_stop_trim: bool
+    ignore_eos: bool = False  # EOS does not end the row (it is kept in the response)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +181,12 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
     logprob = _per_row(body.get("return_logprob", False), n, "return_logprob", bool)
     rids = _per_row(body.get("rid"), n, "rid", str) if body.get("rid") is not None else [None] * n
     parsed = [parse_sampling(p, limits) for p in params]
-    total = sum(copies for _, copies, _ in parsed)
+    total = sum(copies for _, copies, _, _ in parsed)
     if total > limits.max_prompts:
         raise ApiError(400, f"the request asks for {total} sequences (prompts x n); this server takes at most "
                             f"{limits.max_prompts} per request: split it")
     rows = []
-    for k, (prompt, (sampling, copies, no_trim), lp, rid) in enumerate(zip(raw, parsed, logprob, rids)):
+    for k, (prompt, (sampling, copies, no_trim, no_eos), lp, rid) in enumerate(zip(raw, parsed, logprob, rids)):
         where = ("text" if "text" in body else "prompt") if single else f"{'text' if 'text' in body else 'prompt'}[{k}]"
         room = limits.positions - sampling.max_tokens
         ids = _tokens(prompt, tokenize, room, where)
@@ -194,7 +196,7 @@ def parse_generate(body: Any, tokenize: Any, next_rid: Any, limits: Limits) -> G
         base = rid or next_rid()
         for c in range(copies):
             rows.append(Row(input_ids=ids, sampling=sampling, rid=base if copies == 1 else f"{base}-{c}",
-                            return_logprob=lp, no_stop_trim=no_trim))
+                            return_logprob=lp, no_stop_trim=no_trim, ignore_eos=no_eos))
     return GenerateCall(rows=tuple(rows), single=single and len(rows) == 1)
 
 
@@ -276,8 +278,8 @@ def _integer(params: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-def parse_sampling(params: Mapping[str, Any], limits: Limits) -> tuple[SamplingConfig, int, bool]:
-    """(SamplingConfig, n copies, no_stop_trim) from an SGLang ``sampling_params`` object."""
+def parse_sampling(params: Mapping[str, Any], limits: Limits) -> tuple[SamplingConfig, int, bool, bool]:
+    """(SamplingConfig, n copies, no_stop_trim, ignore_eos) from an SGLang ``sampling_params`` object."""
     unknown = sorted(set(params) - set(SGLANG_SAMPLING_KEYS))
     if unknown:
         raise ApiError(400, f"unknown field `{json_repr(unknown[0])[1:-1]}`, expected one of "
@@ -308,11 +310,17 @@ def parse_sampling(params: Mapping[str, Any], limits: Limits) -> tuple[SamplingC
     no_trim = params.get("no_stop_trim", False)
     if not isinstance(no_trim, bool):
         raise ApiError(400, f"sampling_params.no_stop_trim must be true or false, got {json_repr(no_trim)}")
+    ignore_eos = params.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"sampling_params.ignore_eos must be true or false, got {json_repr(ignore_eos)}")
+    if ignore_eos and not limits.ignore_eos:
+        raise ApiError(400, "sampling_params.ignore_eos=true needs the continuous scheduler: start the server with "
+                            "--scheduler continuous (a model on the local engine's fast path)")
     greedy = temperature < 1e-6
     sampling = SamplingConfig(temperature=0.0 if greedy else temperature, top_p=top_p,
                               top_k=0 if top_k == -1 or top_k >= TOP_K_ALL else top_k, max_tokens=max_new,
                               stop=tuple(stop))
-    return sampling, n, no_trim
+    return sampling, n, no_trim, ignore_eos
 
 
 def finish_reason(traj: Trajectory, eos_id: int) -> tuple[dict[str, Any], str | None]:

@@ -22,7 +22,8 @@ submit jobs and wait on them. Rules:
   straddle an update; each answer says which version produced it).
 
 What this is not: continuous batching (a request that arrives while a batch
-runs waits for that batch, whose length ``max_new_tokens`` bounds).
+runs waits for that batch, whose length ``max_new_tokens`` bounds); that is
+continuous.py's ContinuousWorker, the default where the engine can run it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Generate:
     cancelled: threading.Event = field(default_factory=threading.Event)
     scheduled: int = 0  # rows handed to the engine so far
     results: list = field(default_factory=list)  # (Trajectory, weight version) per row, None until sampled
+    aborted: bool = False  # its rows were told to stop (continuous scheduler)
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.rows)

@@ -32,12 +32,12 @@ from tests.integration.test_cli import REPO, rlctl
 class Served:
     """One `rlctl serve rollout` subprocess; always stopped by the test that started it."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, port: int = 0) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, port: int = 0, scheduler: str = "auto") -> None:
         self.log = open(log_dir / f"serve-{time.monotonic_ns()}.log", "w+")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlctl.cli.app", "serve", "rollout", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--batch-wait-ms", "30"],
+             "--host", "127.0.0.1", "--port", str(port), "--batch-wait-ms", "30", "--scheduler", scheduler],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
         self.url = self._wait_ready(timeout_s=120)
         self.port = int(self.url.rsplit(":", 1)[1])
@@ -108,8 +108,20 @@ def _mismatch(session, batch) -> float:
     return float((learner - batch.behavior_logprobs)[mask].abs().max())
 
 
-def test_generate_speaks_sglang_and_batches_concurrent_requests(server):
+@pytest.fixture(scope="module")
+def batch_server(tiny_policy_dir, tmp_path_factory):
+    served = Served(tiny_policy_dir, tmp_path_factory.mktemp("serve-batch"), scheduler="batch")
+    yield served
+    served.stop()
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_generate_speaks_sglang_and_batches_concurrent_requests(request, scheduler):
+    """Six concurrent requests share engine work: with the batch scheduler they fit in fewer batches than
+    requests (the 30 ms window), with the continuous one (the default here) they decode in the same steps."""
+    server = request.getfixturevalue("server" if scheduler == "continuous" else "batch_server")
     before = server.get("/get_server_info")["rlctl"]
+    assert before["scheduler"] == scheduler
     results: list[tuple[int, dict]] = []
     body = {"input_ids": [[1, 20, 21], [1, 22, 23, 24]], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 5, "temperature": 1.0}}
@@ -127,7 +139,11 @@ def test_generate_speaks_sglang_and_batches_concurrent_requests(server):
     assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] == 3
     after = server.get("/get_server_info")["rlctl"]
     assert after["requests"] - before["requests"] == 6
-    assert after["batches"] - before["batches"] < 6 and after["largest_batch_requests"] >= 2
+    assert after["largest_batch_requests"] >= 2
+    if scheduler == "batch":
+        assert after["batches"] - before["batches"] < 6
+    else:  # decode steps: fewer than 6 requests x 5 tokens one after the other
+        assert after["batches"] - before["batches"] < 30
     status, error = server.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
     assert status == 400 and "unknown field `max_tokens`" in error["error"]["message"]
 
@@ -363,3 +379,12 @@ def test_launched_servers_are_pinned_restarted_resynced_and_stopped(plugins, _rl
     assert not engines.alive(0)
     with pytest.raises(ProcessLookupError):
         os.killpg(new_pid, 0)
+
+
+def test_ignore_eos_runs_rows_to_max_new_tokens_on_the_continuous_scheduler_only(server, batch_server):
+    body = {"input_ids": [[1, 20, 21]] * 3, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    status, items = server.post("/generate", body)
+    assert status == 200 and [len(item["output_ids"]) for item in items] == [40, 40, 40]
+    assert all(item["meta_info"]["finish_reason"]["type"] == "length" for item in items)
+    status, error = batch_server.post("/generate", body)
+    assert status == 400 and "--scheduler continuous" in error["error"]["message"]

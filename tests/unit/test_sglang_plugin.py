@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -206,10 +207,13 @@ def test_the_api_key_from_the_environment_is_sent_on_every_call(plugins, model_d
 
 
 def test_sampling_params_follow_sglang_rules():
-    sampling, n, no_trim = parse_sampling({"max_new_tokens": 4, "temperature": 0.7, "top_k": -1, "stop": "\n"},
-                                          LIMITS)
+    sampling, n, no_trim, no_eos = parse_sampling({"max_new_tokens": 4, "temperature": 0.7, "top_k": -1,
+                                                   "stop": "\n"}, LIMITS)
     assert sampling == SamplingConfig(temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, stop=("\n",))
-    assert (n, no_trim) == (1, False)
+    assert (n, no_trim, no_eos) == (1, False, False)
+    assert parse_sampling({"ignore_eos": True}, dataclasses.replace(LIMITS, ignore_eos=True))[3]
+    with pytest.raises(ApiError, match="ignore_eos=true needs the continuous scheduler"):
+        parse_sampling({"ignore_eos": True}, LIMITS)  # a server on the batch scheduler
     assert parse_sampling({"temperature": 0.0}, LIMITS)[0].greedy
     for bad, needle in [({"max_tokens": 4}, "unknown field `max_tokens`"), ({"top_k": 0}, "top_k must be -1"),
                         ({"repetition_penalty": 1.1}, "not supported"), ({"temperature": "hot"}, "temperature must be a number")]:
