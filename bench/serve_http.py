@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _setup import REPO  # noqa: E402  (one thread, offline; must precede torch)
@@ -40,15 +41,22 @@ ROWS = {"rollout": ("rollout", "POST", "/generate", {"input_ids": [1, 20, 21, 22
         "health": ("rollout", "GET", "/health", None)}
 
 
-def start(root: Path, kind: str, model: Path, batch_wait_ms: float) -> tuple[subprocess.Popen, int]:
+def start(root: Path, kind: str, model: Path, batch_wait_ms: float | None, extra: Sequence[str] = (),
+          log: Path | None = None, cpu: int = 0) -> tuple[subprocess.Popen, int]:
+    """`rlctl serve KIND` of the checkout ``root`` pinned to ``cpu`` (taskset, one thread), started and listening:
+    (process, port). ``batch_wait_ms`` None keeps the server's default; ``extra`` are more flags. Its stderr goes
+    to ``log`` (discarded without one); when it does not start, the error quotes the log's last lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'plugins'}")
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "rlctl.cli.app", "serve", kind, "--model", str(model),
-           "--port", "0", "--batch-wait-ms", str(batch_wait_ms)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=root)
+    cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "rlctl.cli.app", "serve", kind, "--model", str(model),
+           "--port", "0", *([] if batch_wait_ms is None else ["--batch-wait-ms", str(batch_wait_ms)]), *extra]
+    with open(log or os.devnull, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=root)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
-        raise SystemExit(f"{kind} server of {root} did not start: {line!r}")
+        proc.wait(30)
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:]) if log else ""
+        raise SystemExit(f"{kind} server of {root} did not start ({' '.join(cmd[3:])}): {line!r}\n{tail}")
     return proc, int(line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
 
 
