@@ -201,6 +201,59 @@ class LocalEngine:
         self._calls += 1
         return EngineSession(self, num_slots)
 
+    def stream(self, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
+               more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
+        """Continuous rollout for an overlapped run's worker: one EngineSession, kept full.
+
+        Request k's G samples go to ``on_group(k, trajectories)`` as soon as its last row ends (k counts the
+        requests in the order taken: ``requests``, then what ``more`` returned). ``more(free_slots)`` is asked
+        for further requests whenever no row waits for a slot and a group's worth of slots is free; it returns
+        requests (maybe none) or None to stop asking. Returns once nothing is live or queued and ``more`` gave
+        nothing. A model off the fast path runs ``generate(requests)`` and hands out its groups (no ``more``).
+        """
+        if not self.supports_sessions():
+            out, start = self.generate(requests), 0
+            for k, req in enumerate(requests):
+                on_group(k, out[start:start + req.group_size])
+                start += req.group_size
+            return
+        slots = self.rows_per_forward(requests) if requests else self.options.max_batch_sequences
+        session = self.open_session(slots)
+        pending: list[list[Trajectory | None]] = []
+        owner: dict[int, int] = {}  # session row -> request index
+
+        def take(batch: Sequence[RolloutRequest]) -> None:
+            for req in batch:
+                owner.update((row, len(pending)) for row in session.add(req))
+                pending.append([None] * req.group_size)
+
+        take(requests)
+        group = max((r.group_size for r in requests), default=1)
+        asking, refused_at = more is not None, -1  # free slots when more() last gave nothing
+        try:
+            while True:
+                free = slots - session.live
+                if asking and session.queued == 0 and free >= group and (free > refused_at or session.idle):
+                    got = more(free)
+                    if got is None:
+                        asking = False
+                    elif got:
+                        take(got)
+                        group, refused_at = max(r.group_size for r in got), -1
+                    elif session.idle:
+                        return  # nothing in flight and nothing more now: the caller comes back
+                    else:
+                        refused_at = free  # ask again once more slots are free
+                if session.idle:
+                    return
+                for row, trajectory in session.step():
+                    k = owner.pop(row)
+                    pending[k][trajectory.group_index] = trajectory
+                    if all(t is not None for t in pending[k]):
+                        on_group(k, pending[k])
+        finally:
+            self._release()
+
     def _tail_lengths(self, n: int, max_tokens: int) -> list[int] | None:
         """Pareto-distributed decode lengths for the long-tail option (own generator: sampling is unchanged)."""
         alpha = self.options.length_tail_alpha

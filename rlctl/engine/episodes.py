@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 
 GATHER_S = 0.05  # after the first pending step ends, how long a round waits for the others
 STEP_GRACE_S = 1.0  # a step past step_timeout_s + this is a timeout even if the environment never returns
-_HIDDEN = frozenset({"generate_cancellable"})  # inner verbs that would bypass the episodes
+# inner verbs that would bypass the episodes
+_HIDDEN = frozenset({"generate_cancellable", "stream", "open_session", "supports_sessions"})
 
 
 def build_rollout(plugins: "Plugins", rollout: "RolloutConfig", ctx: RolloutContext, retries: int = 0

@@ -56,6 +56,19 @@ class RolloutWorker(Protocol):
     def close(self) -> None: ...
 
 
+def stream_backend(backend: Any, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
+                   more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
+    """A worker's ``stream``: the backend's continuous ``stream`` where it supports sessions, else ``generate`` of
+    ``requests`` with each group handed out after the call (``more`` is not asked)."""
+    if getattr(backend, "supports_sessions", lambda: False)():
+        backend.stream(requests, on_group, more)
+        return
+    out, start = backend.generate(requests), 0
+    for k, req in enumerate(requests):
+        on_group(k, out[start:start + req.group_size])
+        start += req.group_size
+
+
 class WeightBoard:
     """The newest published weights; ``generation`` grows on every publish (also when a restore goes back)."""
 
@@ -183,8 +196,9 @@ class Producers:
         with self._claim_lock:
             return sorted(set(self.queue.reserved_keys()) | set(self._requeue) | set(self._handback))
 
-    def _claim(self) -> list[int]:
-        """Up to ``chunk`` admitted keys, re-queued ones first; [] when none was admitted within 0.2 s or stopping.
+    def _claim(self, limit: int | None = None, wait_s: float = 0.2) -> list[int]:
+        """Up to ``limit`` (default ``chunk``) admitted keys, re-queued ones first; [] when none was admitted within
+        ``wait_s`` or stopping.
 
         The claim lock is never held across more than one wait: while one
         producer waits at the admission gate, another whose worker died must
@@ -192,14 +206,15 @@ class Producers:
         deadlocked the two when the gate waited for exactly those keys).
         """
         keys: list[int] = []
+        limit = self.chunk if limit is None else limit
         with self._claim_lock:
-            while self._handback and len(keys) < self.chunk:
+            while self._handback and len(keys) < limit:
                 keys.append(self._handback.popleft())
-            while len(keys) < self.chunk and not self._stop.is_set():
+            while len(keys) < limit and not self._stop.is_set():
                 key = self._requeue[0] if self._requeue else self._next_key
                 waited = time.monotonic()
                 try:
-                    self.queue.reserve(key, timeout=0.2 if not keys else 0.0)
+                    self.queue.reserve(key, timeout=wait_s if not keys else 0.0)
                 except QueueError:  # timed out, or closed: let go of the lock, so that a producer whose
                     self._waited(waited)  # worker died can give its keys back
                     break
@@ -223,6 +238,9 @@ class Producers:
                 if not keys:
                     continue
                 try:
+                    if self._streams(worker):
+                        loaded = self._stream(worker, keys, loaded)
+                        continue
                     loaded, trajectories, latency = self._generate(worker, keys, loaded)
                 except WorkerLost as err:
                     failures += 1
@@ -245,15 +263,52 @@ class Producers:
         """Load the newest weights if this worker has not (a restarted worker serves only current weights), then
         generate; (the weights' generation now loaded, trajectories, latency)."""
         with self.fleet.serving(worker):  # not while the periodic eval uses this worker (RolloutFleet.generate)
-            generation, update = self.fleet.board.latest()
-            if generation != loaded and update is not None:
-                with self.beat("publish", "rollout"):
-                    worker.load_weights(update)
-                loaded = generation
+            loaded, _ = self._load(worker, loaded)
             started = time.perf_counter()
             with self.beat("generate", "rollout"):
                 trajectories = worker.generate([self.encode(self.roles.cursor.record_at(k)) for k in keys])
         return loaded, trajectories, time.perf_counter() - started
+
+    def _streams(self, worker: RolloutWorker) -> bool:
+        return self.spec.queue.continuous and hasattr(worker, "stream")
+
+    def _load(self, worker: RolloutWorker, loaded: int) -> tuple[int, int]:
+        """Load the newest weights if this worker has not; (generation now loaded, newest generation)."""
+        generation, update = self.fleet.board.latest()
+        if generation != loaded and update is not None:
+            with self.beat("publish", "rollout"):
+                worker.load_weights(update)
+            loaded = generation
+        return loaded, generation
+
+    def _stream(self, worker: RolloutWorker, keys: list[int], loaded: int) -> int:
+        """One continuous call on the newest weights: each group is scored and queued as soon as it ends, and
+        more keys are claimed as slots free up until newer weights are published. ``keys`` always holds the keys
+        claimed and not yet queued (what a failure hands back)."""
+        with self.fleet.serving(worker):
+            loaded, generation = self._load(worker, loaded)
+            taken, since = list(keys), [time.perf_counter()] * len(keys)
+
+            def on_group(k: int, trajectories: list[Trajectory]) -> None:
+                self._put([taken[k]], trajectories, time.perf_counter() - since[k])
+                keys.remove(taken[k])
+
+            def more(free: int) -> list[RolloutRequest] | None:
+                if self._stop.is_set() or self.fleet.board.latest()[0] != generation:
+                    return None  # finish what is in flight on these weights; the next call loads the new ones
+                new = self._claim(limit=max(1, free // self.spec.group_size), wait_s=0.0)
+                if new and self.fleet.board.latest()[0] != generation:  # the gate opened for newer weights (a
+                    with self._claim_lock:  # publish comes before the gate moves): the next call takes them
+                        self._handback.extendleft(sorted(new, reverse=True))
+                    return None
+                taken.extend(new)
+                keys.extend(new)
+                since.extend([time.perf_counter()] * len(new))
+                return [self.encode(self.roles.cursor.record_at(k)) for k in new]
+
+            with self.beat("generate", "rollout"):
+                worker.stream([self.encode(self.roles.cursor.record_at(k)) for k in taken], on_group, more)
+        return loaded
 
     def _restart(self, worker: RolloutWorker, failures: int, err: WorkerLost) -> None:
         with self.counters.lock:

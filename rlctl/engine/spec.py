@@ -41,6 +41,7 @@ class QueueSpec:
     take_timeout_s: float = 600.0
     segment_bytes: int = 64 << 20
     partial_fraction: float = 1.0  # a step proceeds once this share of its B groups is ready (1 = all)
+    continuous: bool = True  # workers whose engine can: one call per weight version, groups out as they end
     max_worker_restarts: int = 3
     max_learner_restarts: int = 3
 
@@ -101,7 +102,8 @@ class LoopSpec:
         queue = QueueSpec(max_staleness=s.max_staleness, stale_policy=s.stale_policy, is_cap=s.is_cap,
                           capacity=s.queue_capacity, ttl_s=s.queue_ttl_s, rollout_chunk=s.rollout_chunk,
                           take_timeout_s=s.take_timeout_s, segment_bytes=s.queue_segment_bytes,
-                          partial_fraction=s.partial_fraction, max_worker_restarts=config.cluster.max_restarts,
+                          partial_fraction=s.partial_fraction, continuous=s.continuous_rollout,
+                          max_worker_restarts=config.cluster.max_restarts,
                           max_learner_restarts=config.cluster.max_restarts)
         return cls(steps=config.train.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
                    mode=config.mode, truncation_penalty=config.rollout.truncation_penalty,

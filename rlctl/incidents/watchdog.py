@@ -81,12 +81,16 @@ class Watchdog:
         entered = _Phase(name, role, thread, waits_for_threads)
         if me != self._driver_ident:  # a producer: recorded, never progress (see the class docstring)
             with self._lock:
+                outer_other = self._others.get(me)  # a phase inside another (scoring inside a stream)
                 self._others[me] = entered
             try:
                 yield
             finally:
                 with self._lock:
-                    self._others.pop(me, None)
+                    if outer_other is None:
+                        self._others.pop(me, None)
+                    else:
+                        self._others[me] = outer_other
             return
         outer, self._driver = self._driver, entered
         try:

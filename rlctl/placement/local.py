@@ -29,7 +29,7 @@ from rlctl.contracts.errors import ConfigError, RolloutUnavailable, WorkerLost
 from rlctl.contracts.roles import ClosableLearner, RolloutBackend, RunDirAware
 from rlctl.contracts.types import RolloutRequest, TaskData, Trajectory, WeightUpdate
 from rlctl.engine.faults import on_publish
-from rlctl.engine.producers import RolloutFleet
+from rlctl.engine.producers import RolloutFleet, stream_backend
 from rlctl.engine.roles import Roles
 from rlctl.engine.spec import overlapped
 from rlctl.hooks.manager import Plugins
@@ -54,6 +54,14 @@ class LocalWorker:
         try:
             return self.backend.generate(requests)
         except (RuntimeError, OSError, RolloutUnavailable) as err:  # rebuild the backend, regenerate the prompts
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+
+    def stream(self, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
+               more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
+        """Continuous generation (rlctl.engine.producers.stream_backend); failures as ``generate``."""
+        try:
+            stream_backend(self.backend, requests, on_group, more)
+        except (RuntimeError, OSError, RolloutUnavailable) as err:
             raise WorkerLost(f"{type(err).__name__}: {err}") from err
 
     def load_weights(self, update: WeightUpdate) -> None:

@@ -102,8 +102,10 @@ class ProcessWorker:
         if self._run_dir is not None:
             self._call("use_run_dir", self._run_dir)
 
-    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Send one call and wait for its answer, watching the child; a dead child is WorkerLost."""
+    def _call(self, method: str, *args: Any, timeout: float | None = None,
+              on_message: Any = None) -> Any:
+        """Send one call and wait for its answer, watching the child; a dead child is WorkerLost. Messages the
+        child sends before its answer (a stream's groups and questions) go to ``on_message(status, value)``."""
         if self._process is None:
             raise WorkerLost(f"rollout worker {self.name} is closed")
         if method != "ready" and not self._ready:
@@ -112,13 +114,17 @@ class ProcessWorker:
             if method != "ready":
                 _send(self._conn, (method, args))
             deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._conn.poll(0.2):
-                if not self._process.is_alive():
-                    raise self._lost()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise WorkerLost(f"rollout worker process {self.name} did not answer {method} within "
-                                     f"{timeout:.0f}s")
-            status, value = _recv(self._conn)
+            while True:
+                while not self._conn.poll(0.2):
+                    if not self._process.is_alive():
+                        raise self._lost()
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise WorkerLost(f"rollout worker process {self.name} did not answer {method} within "
+                                         f"{timeout:.0f}s")
+                status, value = _recv(self._conn)
+                if status in ("ok", "error"):
+                    break
+                on_message(status, value)
         except (EOFError, OSError) as err:  # the pipe broke: the child is gone (or going)
             raise self._lost(err) from None
         if status == "ok":
@@ -135,6 +141,20 @@ class ProcessWorker:
         try:
             return self._call("generate", list(requests))
         except (RuntimeError, OSError, RolloutUnavailable) as err:  # as LocalWorker: rebuild, regenerate
+            raise WorkerLost(f"{type(err).__name__}: {err}") from err
+
+    def stream(self, requests: Sequence[RolloutRequest], on_group: Any, more: Any = None) -> None:
+        """Continuous generation in the child (rlctl.engine.producers.stream_backend): its groups come back as
+        they end and its requests for more prompts are answered here, on the calling thread."""
+        def on_message(status: str, value: Any) -> None:
+            if status == "group":
+                on_group(*value)
+            elif status == "more":
+                _send(self._conn, ("more", None if more is None else more(value)))
+
+        try:
+            self._call("stream", list(requests), more is not None, on_message=on_message)
+        except (RuntimeError, OSError, RolloutUnavailable) as err:
             raise WorkerLost(f"{type(err).__name__}: {err}") from err
 
     def load_weights(self, update: WeightUpdate) -> None:
@@ -207,6 +227,8 @@ def _serve(conn: Any, rollout: Any, ctx: RolloutContext, retries: int, threads: 
             try:
                 if method == "generate":
                     value: Any = backend.generate(*args)
+                elif method == "stream":
+                    value = _stream(conn, backend, *args)
                 elif method == "update_weights":
                     value = backend.update_weights(*args)
                 elif method == "use_run_dir":
@@ -220,6 +242,23 @@ def _serve(conn: Any, rollout: Any, ctx: RolloutContext, retries: int, threads: 
             _send(conn, ("ok", value))
     finally:
         backend.close()
+
+
+def _stream(conn: Any, backend: Any, requests: list[RolloutRequest], asks: bool) -> None:
+    """The child's side of ``stream``: groups sent as they end; ``more`` asked of the driver over the pipe."""
+    from rlctl.engine.producers import stream_backend
+
+    def more(free: int) -> Any:
+        _send(conn, ("more", free))
+        status, value = _recv(conn)
+        if status == "close":  # the driver is closing this worker mid-stream
+            raise SystemExit(0)
+        if status != "more":
+            raise RoleError(f"rollout worker process got {status!r} while waiting for prompts",
+                            "this is a bug in rlctl: report it")
+        return value
+
+    stream_backend(backend, requests, lambda k, group: _send(conn, ("group", (k, group))), more if asks else None)
 
 
 def _send(conn: Any, obj: Any) -> None:

@@ -142,11 +142,11 @@ def test_learner_asking_before_the_producer_claims_waits_for_the_batch(plugins, 
             learner_waits.set()
         return real_wait(self, deadline, what, restore)
 
-    def claim(self):
+    def claim(self, *args, **kwargs):
         while not learner_waits.wait(timeout=0.05):
             if self._stop.is_set():
                 return []
-        keys = real_claim(self)
+        keys = real_claim(self, *args, **kwargs)
         if keys:
             learner_waits.clear()
         return keys
@@ -310,6 +310,14 @@ class EngineGone:
             raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
         return self.inner.generate(requests)
 
+    def stream(self, requests, on_group, more=None):  # a continuous call counts as one call too
+        from rlctl.contracts.errors import RolloutUnavailable
+
+        self.calls += 1
+        if self.calls in self.lose:
+            raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
+        return self.inner.stream(requests, on_group, more)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -321,7 +329,7 @@ def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins,
     from rlctl.placement import local
 
     events: list[tuple[str, str, int]] = []  # (worker, what, version)
-    originals = {name: getattr(local.LocalWorker, name) for name in ("load_weights", "restart", "generate")}
+    originals = {name: getattr(local.LocalWorker, name) for name in ("load_weights", "restart", "generate", "stream")}
 
     def load_weights(self, update):
         events.append((self.name, "load", update.version))
@@ -335,7 +343,12 @@ def test_rollout_unavailable_requeues_and_restarts_with_current_weights(plugins,
         events.append((self.name, "generate", -1))
         return originals["generate"](self, requests)
 
-    for name, fn in (("load_weights", load_weights), ("restart", restart), ("generate", generate)):
+    def stream(self, requests, on_group, more=None):  # a continuous call (staleness.continuous_rollout)
+        events.append((self.name, "generate", -1))
+        return originals["stream"](self, requests, on_group, more)
+
+    for name, fn in (("load_weights", load_weights), ("restart", restart), ("generate", generate),
+                     ("stream", stream)):
         monkeypatch.setattr(local.LocalWorker, name, fn)
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3",
                           "cluster.num_rollout_workers=1")  # one worker: the run finishes only if it comes back
