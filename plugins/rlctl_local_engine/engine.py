@@ -69,7 +69,6 @@ class LocalEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(ctx.seed)
         self._tail_generator = torch.Generator().manual_seed(ctx.seed + 7919)
         self._calls = 0
-        self.weights_epoch = 0  # counts weight updates (an EngineSession is bound to one epoch)
 
     def generate(self, requests: Sequence[RolloutRequest], *,
                  cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
@@ -175,14 +174,14 @@ class LocalEngine:
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         rows = [(req, g) for _, req, groups in chunk for g in groups]
         return [self._trajectory(req, g, result.tokens[i], result.logprobs[i], result.reasons[i], texts[i], started,
-                                 self._calls)
+                                 self._calls, self.policy_version)
                 for i, (req, g) in enumerate(rows)]
 
     def _trajectory(self, req: RolloutRequest, g: int, tokens: Sequence[int], logprobs: Sequence[float],
-                    reason: Any, text: str, started: float, call: int) -> Trajectory:
+                    reason: Any, text: str, started: float, call: int, version: int) -> Trajectory:
         return Trajectory.create(
-            id=f"{req.prompt_id}/v{self.policy_version}/c{call}/{g}", prompt_id=req.prompt_id, group_index=g,
-            dataset_version=req.dataset_version, policy_version=self.policy_version,
+            id=f"{req.prompt_id}/v{version}/c{call}/{g}", prompt_id=req.prompt_id, group_index=g,
+            dataset_version=req.dataset_version, policy_version=version,
             tokenizer_hash=self.tokenizer_hash, prompt_tokens=tuple(req.prompt_tokens),
             response_tokens=tuple(tokens), response_text=text, action_mask=(1,) * len(tokens),
             behavior_logprobs=tuple(logprobs), sampling_config=req.sampling, terminal_reason=reason,
@@ -202,29 +201,26 @@ class LocalEngine:
         return EngineSession(self, num_slots)
 
     def stream(self, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
-               more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
-        """Continuous rollout for an overlapped run's worker: one EngineSession, kept full.
+               more: Callable[[int, bool], Any] | None = None) -> None:
+        """Continuous rollout for an overlapped run's worker: EngineSessions kept full across weight versions.
 
         Request k's G samples go to ``on_group(k, trajectories)`` as soon as its last row ends (k counts the
-        requests in the order taken: ``requests``, then what ``more`` returned). ``more(free_slots)`` is asked
-        for further requests whenever no row waits for a slot and a group's worth of slots is free; it returns
-        requests (maybe none) or None to stop asking. Returns once nothing is live or queued and ``more`` gave
-        nothing. A model off the fast path runs ``generate(requests)`` and hands out its groups (no ``more``).
+        requests in the order taken: ``requests``, then what ``more`` returned). ``more(free_slots, idle)`` is
+        asked for further requests whenever no row waits for a slot and a group's worth of slots is free (again
+        once more slots are free, or when nothing is left to decode: ``idle``, when it may wait a moment). It
+        returns requests (maybe none); a WeightUpdate, which is loaded at once: the rows in flight finish on the
+        session of the weights they started with while new requests go to a session of the new ones; or None to
+        stop asking. Returns once nothing is live or queued and ``more`` gave nothing while idle. Needs
+        ``supports_sessions()``.
         """
-        if not self.supports_sessions():
-            out, start = self.generate(requests), 0
-            for k, req in enumerate(requests):
-                on_group(k, out[start:start + req.group_size])
-                start += req.group_size
-            return
         slots = self.rows_per_forward(requests) if requests else self.options.max_batch_sequences
-        session = self.open_session(slots)
+        sessions = [self.open_session(slots)]  # the last takes new requests; earlier ones finish their rows
         pending: list[list[Trajectory | None]] = []
-        owner: dict[int, int] = {}  # session row -> request index
+        owner: dict[tuple[int, int], int] = {}  # (session number, row) -> request index
 
         def take(batch: Sequence[RolloutRequest]) -> None:
             for req in batch:
-                owner.update((row, len(pending)) for row in session.add(req))
+                owner.update(((sessions[-1]._number, row), len(pending)) for row in sessions[-1].add(req))
                 pending.append([None] * req.group_size)
 
         take(requests)
@@ -232,25 +228,34 @@ class LocalEngine:
         asking, refused_at = more is not None, -1  # free slots when more() last gave nothing
         try:
             while True:
-                free = slots - session.live
-                if asking and session.queued == 0 and free >= group and (free > refused_at or session.idle):
-                    got = more(free)
+                live = sum(s.live for s in sessions)
+                idle = all(s.idle for s in sessions)
+                free = slots - live
+                if asking and sessions[-1].queued == 0 and free >= group and (free > refused_at or idle):
+                    got = more(free, idle)
                     if got is None:
                         asking = False
+                    elif isinstance(got, WeightUpdate):
+                        self.update_weights(got)
+                        sessions.append(self.open_session(slots))
+                        refused_at = -1
+                        continue
                     elif got:
                         take(got)
                         group, refused_at = max(r.group_size for r in got), -1
-                    elif session.idle:
+                    elif idle:
                         return  # nothing in flight and nothing more now: the caller comes back
                     else:
                         refused_at = free  # ask again once more slots are free
-                if session.idle:
+                if all(s.idle for s in sessions):
                     return
-                for row, trajectory in session.step():
-                    k = owner.pop(row)
-                    pending[k][trajectory.group_index] = trajectory
-                    if all(t is not None for t in pending[k]):
-                        on_group(k, pending[k])
+                for session in sessions:
+                    for row, trajectory in session.step() if not session.idle else ():
+                        k = owner.pop((session._number, row))
+                        pending[k][trajectory.group_index] = trajectory
+                        if all(t is not None for t in pending[k]):
+                            on_group(k, pending[k])
+                sessions = [s for s in sessions[:-1] if not s.idle] + sessions[-1:]
         finally:
             self._release()
 
@@ -274,11 +279,10 @@ class LocalEngine:
         """All or nothing: the whole update is checked and staged before the served weights change.
 
         With offloaded weights the update is staged and swapped in host memory; the next call moves it to the device.
-        An open EngineSession decodes with the weights it was opened on: it refuses to step after this.
+        An open EngineSession goes on with the weights it was opened on.
         """
         self.fingerprint = apply_update(self.model, update)
         self.policy_version = update.version
-        self.weights_epoch += 1
 
     def generate_cancellable(self, requests: Sequence[RolloutRequest],
                              cancelled: Callable[[], Collection[int]]) -> list[Trajectory]:
@@ -312,12 +316,13 @@ class EngineSession:
     What this is: requests go in at any time (``add``), each ``step()`` decodes one token for every live row and
     returns the rows that ended as Trajectory records, at once; ``abort`` ends rows now. Row g of the k-th request
     added draws from stream (seed, session number, k, g): its sample does not depend on what else is decoding.
-    What this is not: thread-safe (one thread adds, steps and aborts), nor valid across a weight update (open a new
-    one after ``update_weights``; a stale session refuses to step).
+    The session copies the weights when it opens: after ``update_weights`` it goes on sampling (and labelling its
+    trajectories) with the version it opened on, so rows in flight can finish while a new session takes new rows.
+    What this is not: thread-safe (one thread adds, steps and aborts).
     """
 
     def __init__(self, engine: LocalEngine, num_slots: int) -> None:
-        self.engine, self._epoch, self._number = engine, engine.weights_epoch, engine._calls
+        self.engine, self._number, self.version = engine, engine._calls, engine.policy_version
         self._session = SlotSession(engine.model, eos_id=engine.tokenizer.eos_token_id, num_slots=num_slots)
         self._rows: dict[int, tuple[RolloutRequest, int, float]] = {}
         self._requests = 0
@@ -344,10 +349,12 @@ class EngineSession:
         if sampling.stop:
             stop = self._stops.setdefault(tuple(sampling.stop), self.engine._stop_check(sampling.stop))
         started = time.time()
+        tail = self.engine._tail_lengths(request.group_size, sampling.max_tokens)  # benchmark work, as generate
         ids = []
         for g in range(request.group_size):
-            row = self._session.add(request.prompt_tokens, row_key(self.engine._seed, self._number, k, g), sampling,
-                                    stop_check=stop, ignore_eos=ignore_eos)
+            key = row_key(self.engine._seed, self._number, k, g)
+            row = self._session.add(request.prompt_tokens, key, sampling, stop_check=stop, ignore_eos=ignore_eos,
+                                    min_length=None if tail is None else tail[g])
             self._rows[row] = (request, g, started)
             ids.append(row)
         return ids
@@ -358,8 +365,6 @@ class EngineSession:
     def step(self) -> list[tuple[int, Trajectory]]:
         """One decode step; (row id, Trajectory) for each row that ended."""
         engine = self.engine
-        if engine.weights_epoch != self._epoch:
-            raise RoleError("the engine's weights changed under an open session", "open a new session after an update")
         with placed(engine.device):
             done = self._session.step()
         out = []
@@ -367,7 +372,7 @@ class EngineSession:
             req, g, started = self._rows.pop(d.row)
             text = engine.tokenizer.decode(d.tokens, skip_special_tokens=True)
             out.append((d.row, engine._trajectory(req, g, d.tokens, d.logprobs, d.reason, text, started,
-                                                          self._number)))
+                                                          self._number, self.version)))
         return out
 
 

@@ -34,9 +34,11 @@ class _SlotDecoder:
         self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.layers = [_Transposed.of(_LayerWeights.of(layer)) for layer in inner.layers]
         head = model.lm_head.weight * inner.norm.weight
-        self.head, self.head_bias = head.t().contiguous(), getattr(model.lm_head, "bias", None)
+        bias = getattr(model.lm_head, "bias", None)
+        self.head, self.head_bias = head.t().contiguous(), None if bias is None else bias.detach().clone()
         self.vocab, self.eps = head.shape[0], _eps(inner.norm)
-        self.dtype = inner.embed_tokens.weight.dtype
+        self.embed = inner.embed_tokens.weight.detach().clone()  # every weight is this decoder's own copy: a
+        self.dtype = self.embed.dtype  # session goes on with its weights after the model is updated
         self.capacity = 0
         self.k = [torch.zeros((slots, self.num_kv, 0, self.head_dim), dtype=self.dtype) for _ in inner.layers]
         self.v = [k.clone() for k in self.k]
@@ -77,7 +79,7 @@ class _SlotDecoder:
         ids, mask = _left_pad(prompts, 0)
         count, width = ids.shape
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp]
-        x = self.inner.embed_tokens(ids)  # [U, Lp, h]
+        x = torch.nn.functional.embedding(ids, self.embed)  # [U, Lp, h]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [U, 1, Lp, d]
         allowed = torch.ones((width, width), dtype=torch.bool).tril()[None] & (mask[:, None, :] == 1)
         allowed |= torch.eye(width, dtype=torch.bool)[None]  # a pad query sees itself: no all-masked row
@@ -108,7 +110,7 @@ class _SlotDecoder:
     def step(self, tok: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """One token per slot; only ``active`` slots write their key (unmasked) and advance."""
         at = self.pos.clamp(max=self.capacity - 1)  # [n]
-        x = self.inner.embed_tokens(tok[:, None])  # [n, 1, h]
+        x = torch.nn.functional.embedding(tok[:, None], self.embed)  # [n, 1, h]
         cos, sin = self.cos[at][:, None, None], self.sin[at][:, None, None]  # [n, 1, 1, d]
         self.bias[active.nonzero().flatten(), at[active]] = 0.0
         bias = self.bias[:, None, None, :]  # the whole capacity: see _SlotDecoder
@@ -154,7 +156,8 @@ class _Transposed:
     @classmethod
     def of(cls, w: _LayerWeights) -> "_Transposed":
         out = cls()
-        out.eps1, out.eps2, out.act, out.qkv_bias, out.o_bias = w.eps1, w.eps2, w.act, w.qkv_bias, w.o_bias
+        out.eps1, out.eps2, out.act, out.qkv_bias = w.eps1, w.eps2, w.act, w.qkv_bias
+        out.o_bias = None if w.o_bias is None else w.o_bias.detach().clone()  # the model's own: copied
         out.qkv, out.o = w.qkv.t().contiguous(), w.o.t().contiguous()
         out.gate_up, out.down = w.gate_up.t().contiguous(), w.down.t().contiguous()
         return out

@@ -108,7 +108,7 @@ class SlotSession:
         self._queue: deque[int] = deque()
         self._next = 0
         self._prefixes = _Prefixes()
-        self._dec: _SlotDecoder | None = None
+        self._dec = _SlotDecoder(model, 0, 0)  # the model's weights now, copied: later updates do not reach it
         self._state: _Slots | None = None
         self._aborted: list[Done] = []  # queued rows aborted since the last step
         self._capacity = self._steps = 0  # longest prompt + max tokens, and max tokens, of any row added
@@ -193,9 +193,9 @@ class SlotSession:
         if not self._queue:
             return None if self._state is None else torch.zeros(self._state.row.numel(), dtype=torch.bool)
         need_cap, need_steps = self._capacity, self._steps
-        if self._dec is None:
+        if self._state is None:
             batch = max(_MIN_ROWS, min(self.num_slots, len(self._queue)))
-            self._dec = _SlotDecoder(self.model, batch, need_cap)
+            self._dec.resize(batch, need_cap)
             self._state = _Slots(batch, need_steps, self._dec.vocab)
         state, dec = self._state, self._dec
         free = int((state.row < 0).sum())

@@ -426,10 +426,11 @@ class StalenessConfig(_Strict):
         "max_staleness bound still applies and is counted). 1 = wait for the whole batch."
     )
     continuous_rollout: bool = Field(
-        True, description="A rollout worker whose engine can (the local engine on a fp32 Llama/Qwen2 model) runs "
-        "one continuous call per weight version: each group is scored and queued as soon as its last sample ends, "
-        "and newly admitted prompts take the freed decode slots (rollout_chunk is the first call's size). false = "
-        "one call per rollout_chunk prompts, returned whole when its longest sample ends."
+        False, description="A rollout worker whose engine can (the local engine on a fp32 Llama/Qwen2 model) runs "
+        "one continuous call: each group is scored and queued as soon as its last sample ends, newly admitted "
+        "prompts take the freed decode slots, and newly published weights are loaded mid-call (rows in flight "
+        "finish on the weights they started with). false = one call per rollout_chunk prompts, returned whole "
+        "when its longest sample ends. On the CPU long-tail benchmark it did not pay (docs/overlapped.md)."
     )
     queue_segment_bytes: int = Field(
         64 << 20, ge=1, description="Size at which the trajectory log starts a new segment file; whole segments "

@@ -24,6 +24,7 @@ live (threads or Ray actors: rlctl.placement).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections import deque
@@ -57,7 +58,7 @@ class RolloutWorker(Protocol):
 
 
 def stream_backend(backend: Any, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
-                   more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
+                   more: Callable[[int, bool], Sequence[RolloutRequest] | None] | None = None) -> None:
     """A worker's ``stream``: the backend's continuous ``stream`` where it supports sessions, else ``generate`` of
     ``requests`` with each group handed out after the call (``more`` is not asked)."""
     if getattr(backend, "supports_sessions", lambda: False)():
@@ -100,6 +101,7 @@ class RolloutFleet:
     def __init__(self, workers: Sequence[RolloutWorker]) -> None:
         self.workers, self.board = list(workers), WeightBoard()
         self._serving = {id(worker): threading.Lock() for worker in self.workers}
+        self._wanted: set[int] = set()  # workers a caller outside the loop waits for (their stream ends)
 
     @property
     def policy_version(self) -> int:
@@ -113,13 +115,24 @@ class RolloutFleet:
         """Held while ``worker`` loads weights and generates: one caller at a time per engine."""
         return self._serving[id(worker)]
 
+    def wanted(self, worker: RolloutWorker) -> bool:
+        """Whether a caller outside the loop waits for ``worker`` (a continuous call then ends)."""
+        return id(worker) in self._wanted
+
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
-        worker = self.workers[0]
-        with self.serving(worker):  # the producer's load and generate finish first; the next one waits
+        worker, lock = self.workers[0], self.serving(self.workers[0])
+        self._wanted.add(id(worker))  # a continuous call on it ends; the producer's load and generate finish first
+        try:
+            lock.acquire()
+        finally:
+            self._wanted.discard(id(worker))
+        try:
             update = self.board.latest()[1]
             if update is not None:
                 worker.load_weights(update)
             return worker.generate(requests)
+        finally:
+            lock.release()
 
     def health(self) -> Mapping[str, Any]:
         return {"workers": len(self.workers), "policy_version": self.policy_version}
@@ -168,6 +181,7 @@ class Producers:
         self.counters = Counters()
         self.answers = {r.id: r.answer for r in roles.task.train}
         self.chunk = spec.queue.rollout_chunk or max(1, -(-spec.prompts_per_step // max(1, len(fleet.workers))))
+        self._flush_at = max(1, -(-spec.prompts_per_step // 4))  # a continuous call queues groups this many at a time
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._claim_lock = threading.Lock()
@@ -282,25 +296,43 @@ class Producers:
         return loaded, generation
 
     def _stream(self, worker: RolloutWorker, keys: list[int], loaded: int) -> int:
-        """One continuous call on the newest weights: each group is scored and queued as soon as it ends, and
-        more keys are claimed as slots free up until newer weights are published. ``keys`` always holds the keys
-        claimed and not yet queued (what a failure hands back)."""
+        """One continuous call: each group is scored and queued as soon as it ends (``_flush_at`` at a time), more
+        keys are claimed as slots free up, and newer weights are handed to the worker as they are published (its
+        rows in flight finish on the weights they started with). It ends when nothing is admitted while the worker
+        is idle, on stop, or when the periodic eval waits for this worker. ``keys`` always holds the keys claimed
+        and not yet queued (what a failure hands back); returns the weights' generation the worker holds."""
         with self.fleet.serving(worker):
-            loaded, generation = self._load(worker, loaded)
+            loaded, _ = self._load(worker, loaded)
             taken, since = list(keys), [time.perf_counter()] * len(keys)
+            ready: list[tuple[int, list[Trajectory]]] = []
+            held = loaded
+
+            def flush() -> None:
+                done = [taken[k] for k, _ in ready]
+                self._put(done, [t for _, group in ready for t in group],
+                          statistics.mean(time.perf_counter() - since[k] for k, _ in ready))
+                for key in done:
+                    keys.remove(key)
+                ready.clear()
 
             def on_group(k: int, trajectories: list[Trajectory]) -> None:
-                self._put([taken[k]], trajectories, time.perf_counter() - since[k])
-                keys.remove(taken[k])
+                ready.append((k, trajectories))
+                if len(ready) >= self._flush_at:
+                    flush()
 
-            def more(free: int) -> list[RolloutRequest] | None:
-                if self._stop.is_set() or self.fleet.board.latest()[0] != generation:
-                    return None  # finish what is in flight on these weights; the next call loads the new ones
-                new = self._claim(limit=max(1, free // self.spec.group_size), wait_s=0.0)
-                if new and self.fleet.board.latest()[0] != generation:  # the gate opened for newer weights (a
-                    with self._claim_lock:  # publish comes before the gate moves): the next call takes them
-                        self._handback.extendleft(sorted(new, reverse=True))
+            def more(free: int, idle: bool) -> Any:
+                nonlocal held
+                if self._stop.is_set() or self.fleet.wanted(worker):
                     return None
+                generation, update = self.fleet.board.latest()
+                if generation != held and update is not None:
+                    held = generation
+                    return update  # new keys go to the new weights; the gate may have opened for them already
+                new = self._claim(limit=max(1, free // self.spec.group_size), wait_s=0.2 if idle else 0.0)
+                if new and self.fleet.board.latest()[0] != held:  # published while claiming: the gate opened
+                    with self._claim_lock:  # for newer weights; these keys go out after the worker has them
+                        self._handback.extendleft(sorted(new, reverse=True))
+                    return []
                 taken.extend(new)
                 keys.extend(new)
                 since.extend([time.perf_counter()] * len(new))
@@ -308,7 +340,9 @@ class Producers:
 
             with self.beat("generate", "rollout"):
                 worker.stream([self.encode(self.roles.cursor.record_at(k)) for k in taken], on_group, more)
-        return loaded
+                if ready:
+                    flush()
+        return held
 
     def _restart(self, worker: RolloutWorker, failures: int, err: WorkerLost) -> None:
         with self.counters.lock:

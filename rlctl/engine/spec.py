@@ -41,7 +41,7 @@ class QueueSpec:
     take_timeout_s: float = 600.0
     segment_bytes: int = 64 << 20
     partial_fraction: float = 1.0  # a step proceeds once this share of its B groups is ready (1 = all)
-    continuous: bool = True  # workers whose engine can: one call per weight version, groups out as they end
+    continuous: bool = False  # workers whose engine can: one call across weight versions, groups out as they end
     max_worker_restarts: int = 3
     max_learner_restarts: int = 3
 

@@ -57,7 +57,7 @@ class LocalWorker:
             raise WorkerLost(f"{type(err).__name__}: {err}") from err
 
     def stream(self, requests: Sequence[RolloutRequest], on_group: Callable[[int, list[Trajectory]], None],
-               more: Callable[[int], Sequence[RolloutRequest] | None] | None = None) -> None:
+               more: Callable[[int, bool], Sequence[RolloutRequest] | None] | None = None) -> None:
         """Continuous generation (rlctl.engine.producers.stream_backend); failures as ``generate``."""
         try:
             stream_backend(self.backend, requests, on_group, more)

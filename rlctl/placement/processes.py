@@ -150,7 +150,7 @@ class ProcessWorker:
             if status == "group":
                 on_group(*value)
             elif status == "more":
-                _send(self._conn, ("more", None if more is None else more(value)))
+                _send(self._conn, ("more", None if more is None else more(*value)))
 
         try:
             self._call("stream", list(requests), more is not None, on_message=on_message)
@@ -245,12 +245,22 @@ def _serve(conn: Any, rollout: Any, ctx: RolloutContext, retries: int, threads: 
 
 
 def _stream(conn: Any, backend: Any, requests: list[RolloutRequest], asks: bool) -> None:
-    """The child's side of ``stream``: groups sent as they end; ``more`` asked of the driver over the pipe."""
+    """The child's side of ``stream``: groups sent as they end; ``more`` asked of the driver over the pipe without
+    waiting for the answer while rows decode (the driver's thread may wait its turn for the GIL: the decode would
+    stall on every question); the answer is taken at a later question, or waited for when nothing is left to do."""
     from rlctl.engine.producers import stream_backend
 
-    def more(free: int) -> Any:
-        _send(conn, ("more", free))
+    asked = False
+
+    def more(free: int, idle: bool) -> Any:
+        nonlocal asked
+        if not asked:
+            _send(conn, ("more", (free, idle)))
+            asked = True
+        if not idle and not conn.poll(0):
+            return []  # not here yet: the engine asks again once more slots are free
         status, value = _recv(conn)
+        asked = False
         if status == "close":  # the driver is closing this worker mid-stream
             raise SystemExit(0)
         if status != "more":

@@ -152,13 +152,15 @@ class KillsItsChild:
 
 
 @pytest.mark.slow
-def test_async_on_worker_processes_loses_nothing_when_a_child_is_killed(plugins, _rlctl_home, tmp_path):
+@pytest.mark.parametrize("continuous", [False, True], ids=["calls", "continuous"])
+def test_async_on_worker_processes_loses_nothing_when_a_child_is_killed(plugins, _rlctl_home, tmp_path, continuous):
     from rlctl.engine.ledger import audit
     from rlctl.placement.processes import ProcessWorker
     from tests.integration.test_async_loop import run, session_for, with_workers
 
     session = session_for(plugins, _rlctl_home, "mode=async", "train.steps=4", "cluster.max_restarts=3",
-                          "cluster.rollout_workers=auto", "cluster.num_rollout_workers=1")  # it must come back
+                          "cluster.rollout_workers=auto", "cluster.num_rollout_workers=1",  # it must come back
+                          f"staleness.continuous_rollout={str(continuous).lower()}")
     assert all(isinstance(w, ProcessWorker) for w in session.roles.rollout.workers)
     roles = with_workers(session, lambda i, w: KillsItsChild(w, {2}))
     rows = run(session, tmp_path, roles=roles)

@@ -80,16 +80,32 @@ def test_a_session_grows_its_slots_and_capacity_for_what_arrives(tiny_session):
     assert all(t.terminal_reason is TerminalReason.LENGTH for t in long_rows)
 
 
-def test_a_session_refuses_to_step_on_weights_that_changed(tiny_session):
-    from rlctl import RoleError
-
+def test_a_session_keeps_the_weights_it_opened_on_after_an_update(tiny_session):
+    """Rows in flight when the engine loads new weights finish on the old ones, labelled with the old version,
+    exactly as if no update had come; a session opened after the update samples the new weights."""
+    requests = _requests(tiny_session, num_prompts=2)
+    reference = _engine(tiny_session)
+    old_version = reference.policy_version
+    update = _noisy(reference, scale=0.3, seed=3)
+    untouched = reference.open_session(4)
+    for req in requests:
+        untouched.add(req)
+    expected = _samples(_drain(untouched))
     engine = _engine(tiny_session)
     session = engine.open_session(4)
-    session.add(_requests(tiny_session, num_prompts=1)[0])
-    session.step()
-    engine.update_weights(_noisy(engine, scale=0.1, seed=3))
-    with pytest.raises(RoleError, match="weights changed under an open session"):
-        session.step()
+    for req in requests:
+        session.add(req)
+    got = dict(session.step())
+    engine.update_weights(update)  # mid-flight: the session's rows go on with the weights it opened on
+    while not session.idle:
+        got.update(session.step())
+    old = [got[row] for row in sorted(got)]
+    assert _samples(old) == expected and {t.policy_version for t in old} == {old_version}
+    fresh = engine.open_session(4)
+    fresh.add(requests[0])
+    new = _drain(fresh)
+    assert {t.policy_version for t in new} == {update.version}
+    assert [t.behavior_logprobs for t in new] != [t.behavior_logprobs for t in old[:4]]
 
 
 # -- the serve worker ----------------------------------------------------------------
