@@ -394,10 +394,8 @@ class ClusterConfig(_Strict):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="ray only: placement-group strategy for the learner and worker bundles."
     )
-    max_restarts: int = Field(
-        3, ge=0, description="Restarts allowed per rollout worker (and for the learner, or each rank of a sharded "
-        "learner, all of which restart together) before the run fails."
-    )
+    max_restarts: int = Field(3, ge=0, description="Restarts allowed per rollout worker (and for the learner, or "
+                              "each rank of a sharded learner, all of which restart together) before the run fails.")
 
 
 class StalenessConfig(_Strict):
@@ -425,17 +423,11 @@ class StalenessConfig(_Strict):
         "ready; the unfinished groups carry over to a later step with their policy versions recorded (the "
         "max_staleness bound still applies and is counted). 1 = wait for the whole batch."
     )
-    continuous_rollout: bool = Field(
-        False, description="A rollout worker whose engine can (the local engine on a fp32 Llama/Qwen2 model) runs "
-        "one continuous call: each group is scored and queued as soon as its last sample ends, newly admitted "
-        "prompts take the freed decode slots, and newly published weights are loaded mid-call (rows in flight "
-        "finish on the weights they started with). false = one call per rollout_chunk prompts, returned whole "
-        "when its longest sample ends. On the CPU long-tail benchmark it did not pay (docs/overlapped.md)."
-    )
-    queue_segment_bytes: int = Field(
-        64 << 20, ge=1, description="Size at which the trajectory log starts a new segment file; whole segments "
-        "older than the oldest kept checkpoint are deleted after each checkpoint commits."
-    )
+    continuous_rollout: bool = Field(False, description="One continuous call per worker whose engine can: groups "
+                                     "queued as they end, prompts into freed slots, weights loaded mid-call.")
+    queue_segment_bytes: int = Field(64 << 20, ge=1, description="Size at which the trajectory log starts a new "
+                                     "segment file; whole segments older than the oldest kept checkpoint are deleted "
+                                     "after each checkpoint commits.")
 
 
 class EvalConfig(_Strict):
