@@ -71,12 +71,13 @@ class LocalEngine:
         self._calls = 0
 
     def generate(self, requests: Sequence[RolloutRequest], *,
-                 cancelled: Callable[[], Collection[int]] | None = None) -> list[Trajectory]:
+                 cancelled: Callable[[], Collection[int]] | None = None, ignore_eos: bool = False) -> list[Trajectory]:
         """Trajectories for ``requests``, in order.
 
         ``cancelled()``, when given, is polled between decode steps and names
         requests (indices into ``requests``) to stop: their rows end with
         TerminalReason.ABORT at once, so nobody's work keeps a core busy.
+        ``ignore_eos``: EOS does not end a row (kept in its response; rows run to max_tokens or a stop string).
         """
         fault_site("rollout.generate", requests=len(requests))
         if not requests:
@@ -86,10 +87,10 @@ class LocalEngine:
         try:
             if self.options.scheduler == "slots":  # one call: the slots bound the rows decoded at once
                 whole = [(k, req, range(req.group_size)) for k, req in enumerate(requests)]
-                return self._generate_chunk(whole, cancelled, slots=cap)
+                return self._generate_chunk(whole, cancelled, slots=cap, ignore_eos=ignore_eos)
             out: list[Trajectory] = []
             for chunk in _chunks(requests, cap):
-                out.extend(self._generate_chunk(chunk, cancelled))
+                out.extend(self._generate_chunk(chunk, cancelled, ignore_eos=ignore_eos))
             return out
         finally:
             self._release()
@@ -149,8 +150,8 @@ class LocalEngine:
             self._offloaded = False
 
     def _generate_chunk(self, chunk: Sequence[tuple[int, RolloutRequest, range]],
-                        cancelled: Callable[[], Collection[int]] | None = None, slots: int | None = None
-                        ) -> list[Trajectory]:
+                        cancelled: Callable[[], Collection[int]] | None = None, slots: int | None = None,
+                        ignore_eos: bool = False) -> list[Trajectory]:
         """One forward over ``chunk``: (index into the call's requests, request, its group indices here); with
         ``slots``, the whole call on that many decode slots, row (k, g) drawing from stream (seed, call, k, g)."""
         sampling = chunk[0][1].sampling
@@ -162,13 +163,14 @@ class LocalEngine:
         stop_check = self._stop_check(sampling.stop) if sampling.stop else None
         abort = _chunk_abort(chunk, cancelled)
         tail = self._tail_lengths(len(prompts), sampling.max_tokens)
+        eos_id = -1 if ignore_eos else self.tokenizer.eos_token_id
         with placed(self.device):  # prompt, cache and sampling tensors live beside the model
             if slots is not None:
                 keys = [row_key(self._seed, self._calls, k, g) for k, _, gs in chunk for g in gs]
-                result = sample_slots(self.model, prompts, keys, sampling, eos_id=self.tokenizer.eos_token_id,
+                result = sample_slots(self.model, prompts, keys, sampling, eos_id=eos_id,
                                       num_slots=slots, stop_check=stop_check, abort=abort, min_lengths=tail)
             else:
-                result = sample(self.model, prompts, sampling, eos_id=self.tokenizer.eos_token_id,
+                result = sample(self.model, prompts, sampling, eos_id=eos_id,
                                 pad_id=self.tokenizer.pad_token_id, generator=self._generator,
                                 stop_check=stop_check, abort=abort, min_lengths=tail)
         texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
@@ -284,10 +286,10 @@ class LocalEngine:
         self.fingerprint = apply_update(self.model, update)
         self.policy_version = update.version
 
-    def generate_cancellable(self, requests: Sequence[RolloutRequest],
-                             cancelled: Callable[[], Collection[int]]) -> list[Trajectory]:
+    def generate_cancellable(self, requests: Sequence[RolloutRequest], cancelled: Callable[[], Collection[int]],
+                             ignore_eos: bool = False) -> list[Trajectory]:
         """CancellableRollout: ``generate``, stopping the rows of the requests ``cancelled()`` names."""
-        return self.generate(requests, cancelled=cancelled)
+        return self.generate(requests, cancelled=cancelled, ignore_eos=ignore_eos)
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         """The weights being served (read only: the base a delta weight update is applied to)."""

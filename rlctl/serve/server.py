@@ -68,7 +68,7 @@ class RolloutService:
                  limits: Limits | None = None, weights_root: str | Path | None = None, scheduler: str = "auto") -> None:
         from rlctl.serve.continuous import ContinuousWorker, can_serve_continuously
         from rlctl.serve.metrics import ServeMetrics
-        from rlctl.serve.worker import EngineWorker
+        from rlctl.serve.worker import EngineWorker, accepts_ignore_eos
 
         try:
             weight_version = check_weight_version(weight_version)
@@ -79,7 +79,7 @@ class RolloutService:
         self._config = _read_config(Path(model_dir))
         self.limits = limits or default_limits(self._config, tokenizer)
         self.scheduler = _pick_scheduler(scheduler, can_serve_continuously(engine), backend)
-        self.limits = dataclasses.replace(self.limits, ignore_eos=self.scheduler == "continuous")
+        self.limits = dataclasses.replace(self.limits, ignore_eos=accepts_ignore_eos(engine))
         self.weights_root = Path(os.path.realpath(weights_root)) if weights_root is not None else None
         self.metrics = ServeMetrics(collect=self._families)
         if self.scheduler == "continuous":

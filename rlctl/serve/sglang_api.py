@@ -118,7 +118,7 @@ class Limits:
     max_new_tokens: int = 1024  # cap on sampling_params.max_new_tokens (and positions - 1)
     max_prompts: int = 512  # rows per request, ``n`` copies included
     max_body_bytes: int = 8 << 20  # request body size
-    ignore_eos: bool = False  # sampling_params.ignore_eos may be true (the continuous scheduler honours it)
+    ignore_eos: bool = False  # sampling_params.ignore_eos may be true (the served engine honours it)
 
     def __post_init__(self) -> None:
         for name in ("positions", "vocab_size", "max_new_tokens", "max_prompts", "max_body_bytes"):
@@ -314,8 +314,8 @@ def parse_sampling(params: Mapping[str, Any], limits: Limits) -> tuple[SamplingC
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, f"sampling_params.ignore_eos must be true or false, got {json_repr(ignore_eos)}")
     if ignore_eos and not limits.ignore_eos:
-        raise ApiError(400, "sampling_params.ignore_eos=true needs the continuous scheduler: start the server with "
-                            "--scheduler continuous (a model on the local engine's fast path)")
+        raise ApiError(400, "sampling_params.ignore_eos=true is not supported by this server's rollout backend "
+                            "(the local engine supports it)")
     greedy = temperature < 1e-6
     sampling = SamplingConfig(temperature=0.0 if greedy else temperature, top_p=top_p,
                               top_k=0 if top_k == -1 or top_k >= TOP_K_ALL else top_k, max_tokens=max_new,

@@ -69,6 +69,16 @@ class _Call:
 _STOP = object()
 
 
+def accepts_ignore_eos(engine: Any) -> bool:
+    """Whether the engine's generate takes ``ignore_eos`` (the local engine does)."""
+    import inspect
+
+    try:
+        return "ignore_eos" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @dataclass
 class BatchStats:
     batches: int = 0
@@ -239,16 +249,18 @@ class EngineWorker:
         finally:
             self._busy.clear()
 
-    def _engine_generate(self, requests: list[RolloutRequest], jobs: list[_Generate]) -> list[Trajectory]:
+    def _engine_generate(self, requests: list[RolloutRequest], jobs: list[_Generate],
+                         ignore_eos: bool = False) -> list[Trajectory]:
+        extra = {"ignore_eos": True} if ignore_eos else {}  # only asked of engines that take it (accepts_ignore_eos)
         if not self._cancellable:
-            return self.engine.generate(requests)
+            return self.engine.generate(requests, **extra)
 
         def cancelled() -> list[int]:
             if self._closing.is_set():
                 return list(range(len(jobs)))
             return [k for k, job in enumerate(jobs) if job.cancelled.is_set()]
 
-        return self.engine.generate_cancellable(requests, cancelled)
+        return self.engine.generate_cancellable(requests, cancelled, **extra)
 
     def _run_batch(self, slices: list[tuple[_Generate, int, int]]) -> None:
         if not slices:
@@ -286,7 +298,7 @@ class EngineWorker:
         s.largest_batch_requests = max(s.largest_batch_requests, len(slices))
         groups: dict[Any, list[tuple[_Generate, int]]] = {}
         for job, i in items:
-            groups.setdefault(job.rows[i].sampling, []).append((job, i))
+            groups.setdefault((job.rows[i].sampling, job.rows[i].ignore_eos), []).append((job, i))
         for group in groups.values():
             jobs = {id(job): job for job, _ in group}
             try:
@@ -308,7 +320,8 @@ class EngineWorker:
             row = job.rows[i]
             requests.append(RolloutRequest(prompt_id=row.rid, prompt_tokens=row.input_ids, group_size=1,
                                            sampling=row.sampling, dataset_version="serve"))
-        trajectories = self._engine_generate(requests, [job for job, _ in group])
+        first, i = group[0]
+        trajectories = self._engine_generate(requests, [job for job, _ in group], first.rows[i].ignore_eos)
         if len(trajectories) != len(group):
             raise RoleError(f"the engine returned {len(trajectories)} trajectories for {len(group)} rows",
                             "a rollout backend bug; report it")

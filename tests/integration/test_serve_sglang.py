@@ -381,10 +381,10 @@ def test_launched_servers_are_pinned_restarted_resynced_and_stopped(plugins, _rl
         os.killpg(new_pid, 0)
 
 
-def test_ignore_eos_runs_rows_to_max_new_tokens_on_the_continuous_scheduler_only(server, batch_server):
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_ignore_eos_runs_rows_to_max_new_tokens(request, scheduler):
+    server = request.getfixturevalue("server" if scheduler == "continuous" else "batch_server")
     body = {"input_ids": [[1, 20, 21]] * 3, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     status, items = server.post("/generate", body)
     assert status == 200 and [len(item["output_ids"]) for item in items] == [40, 40, 40]
     assert all(item["meta_info"]["finish_reason"]["type"] == "length" for item in items)
-    status, error = batch_server.post("/generate", body)
-    assert status == 400 and "--scheduler continuous" in error["error"]["message"]

@@ -212,8 +212,8 @@ def test_sampling_params_follow_sglang_rules():
     assert sampling == SamplingConfig(temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, stop=("\n",))
     assert (n, no_trim, no_eos) == (1, False, False)
     assert parse_sampling({"ignore_eos": True}, dataclasses.replace(LIMITS, ignore_eos=True))[3]
-    with pytest.raises(ApiError, match="ignore_eos=true needs the continuous scheduler"):
-        parse_sampling({"ignore_eos": True}, LIMITS)  # a server on the batch scheduler
+    with pytest.raises(ApiError, match="ignore_eos=true is not supported by this server's rollout backend"):
+        parse_sampling({"ignore_eos": True}, LIMITS)  # a backend whose generate takes no ignore_eos
     assert parse_sampling({"temperature": 0.0}, LIMITS)[0].greedy
     for bad, needle in [({"max_tokens": 4}, "unknown field `max_tokens`"), ({"top_k": 0}, "top_k must be -1"),
                         ({"repetition_penalty": 1.1}, "not supported"), ({"temperature": "hot"}, "temperature must be a number")]:
