@@ -61,9 +61,10 @@ def rollout(
 ) -> None:
     """Serve a rollout engine over SGLang's native HTTP API (/generate, /update_weights_from_disk, /metrics, ...)."""
     from rlctl.serve.http_common import HttpOptions, check_exposure
-    from rlctl.serve.server import build_service, serve
+    from rlctl.serve.server import build_service, check_scheduler, serve
 
     check_exposure(host, api_key)  # before the model loads: refusing should be instant (and a bad key too)
+    check_scheduler(scheduler)
     http = HttpOptions(api_key=api_key or None, max_connections=max_connections, max_requests=max_requests,
                        read_timeout_s=read_timeout_s)
     service = build_service(model, backend=backend, seed=seed, max_wait_s=batch_wait_ms / 1000.0,

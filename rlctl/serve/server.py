@@ -270,10 +270,15 @@ class RolloutService:
 SCHEDULERS = ("auto", "continuous", "batch")
 
 
-def _pick_scheduler(scheduler: str, continuous_ok: bool, backend: str) -> str:
-    """``auto``: continuous where the backend can run it (the local engine on a fast-path model), else batch."""
+def check_scheduler(scheduler: str) -> None:
+    """One error naming the choices for an unknown ``--scheduler`` (before any model loads)."""
     if scheduler not in SCHEDULERS:
         raise RoleError(f"--scheduler {scheduler!r} is not one of {', '.join(SCHEDULERS)}", "pick one of them")
+
+
+def _pick_scheduler(scheduler: str, continuous_ok: bool, backend: str) -> str:
+    """``auto``: continuous where the backend can run it (the local engine on a fast-path model), else batch."""
+    check_scheduler(scheduler)
     if scheduler == "continuous" and not continuous_ok:
         raise RoleError(f"--scheduler continuous needs a backend that opens decode sessions (the local engine on an "
                         f"fp32 Llama/Qwen2-shaped model); backend {backend!r} with this model cannot",

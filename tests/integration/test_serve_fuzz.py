@@ -334,6 +334,16 @@ def test_a_non_loopback_bind_without_a_key_exits_1_with_one_line(tiny_policy_dir
     assert len(lines) == 1 and "--api-key" in lines[0] and "0.0.0.0" in lines[0], proc.stderr
 
 
+def test_an_unknown_scheduler_exits_1_with_one_line_naming_the_choices(tiny_policy_dir):
+    proc = subprocess.run([sys.executable, "-m", "rlctl.cli.app", "serve", "rollout", "--model",
+                           str(tiny_policy_dir), "--port", "0", "--scheduler", "sometimes"],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) <= 2 and "auto, continuous, batch" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # -- shutdown ---------------------------------------------------------------------------------
 
 

@@ -205,3 +205,35 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_next_one_is_serv
         job.future.result(timeout=60)
     trajectories, _ = worker.generate(_rows(tiny_session, 1, 4, ignore_eos=True), timeout_s=60)
     assert trajectories[0].num_response_tokens == 4
+
+
+def test_scheduler_choice_is_checked_before_serving(tiny_session, tmp_path):
+    """auto picks continuous on a fast-path model and batch off it; asking for continuous where it cannot run,
+    or for an unknown scheduler, is one error naming the fix."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlctl import RoleError
+    from rlctl.models.tokenizer import build_char_tokenizer
+    from rlctl.serve.server import build_service
+
+    service = build_service(tiny_session.policy_dir)
+    try:
+        assert service.scheduler == "continuous" and service.limits.ignore_eos
+    finally:
+        service.close()
+    tok = build_char_tokenizer()  # a sliding-window Qwen2 runs only on the generic HF path: no sessions
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, use_sliding_window=True, sliding_window=16,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    service = build_service(tmp_path)
+    try:
+        assert service.scheduler == "batch"
+    finally:
+        service.close()
+    with pytest.raises(RoleError, match="--scheduler continuous needs") as err:
+        build_service(tmp_path, scheduler="continuous")
+    assert "--scheduler batch" in err.value.hint
+    with pytest.raises(RoleError, match="'sometimes' is not one of auto, continuous, batch"):
+        build_service(tiny_session.policy_dir, scheduler="sometimes")
