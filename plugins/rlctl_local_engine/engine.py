@@ -26,6 +26,11 @@ taken in a different batch shape; trajectory ids carry a per-forward counter).
 After each call the allocator's cached blocks can go back to the device and
 the weights can wait in host memory until the next call.
 
+Sessions (``open_session``): continuous batching that takes requests at any
+time and hands back each row as it ends, on a copy of the weights served when
+it opened (``rlctl serve rollout``'s continuous scheduler; ``stream``, the
+continuous rollout of overlapped runs).
+
 What this is not: a serving engine. For production rollout use the sglang
 plugin; ``rlctl serve rollout`` puts this engine behind the same HTTP API.
 """

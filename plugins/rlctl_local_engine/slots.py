@@ -1,7 +1,9 @@
 """Slot-scheduled (continuous-batching) sampling on the static-cache Llama decoder.
 
-What this is: ``sample_slots``, the same contract as ``sampler.sample`` (one response per row, in row
-order) run on a fixed number of decode slots. Rows are admitted in order; a row that ends (EOS, stop,
+What this is: ``SlotSession``, continuous batching on a fixed number of decode slots that takes rows at any
+time (``rlctl serve rollout``'s continuous scheduler and continuous rollout use it through
+``LocalEngine.open_session``), and ``sample_slots``, the same contract as ``sampler.sample`` (one response per
+row, in row order): a session given every row at once and drained. Rows are admitted in order; a row that ends (EOS, stop,
 its max tokens, abort) frees its slot, and the next queued row takes it at once while the others keep
 decoding. Each slot has its own position and its own region of a per-slot KV cache, so a row's keys
 sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once (32 distinct prompts per

@@ -8,7 +8,10 @@ weights, generates the G samples of each prompt on its one worker
 (group-sticky), scores them -- re-scoring a sample whose grader timed out or
 crashed with a fresh grader up to ``verifier_retries`` times, so retries never
 hold up the learner -- and puts the groups into the TrajectoryQueue
-(acknowledged once on disk).
+(acknowledged once on disk). With ``staleness.continuous_rollout`` a worker
+that can (``stream``: the local engine's decode sessions) runs one continuous
+call instead: groups are queued as they end, new prompts are claimed into
+the slots finished rows free, and newer weights are loaded mid-call.
 
 Failures: a worker whose ``generate`` raises WorkerLost has its in-flight
 prompts handed back (still reserved, so the learner keeps waiting for them)
@@ -277,7 +280,7 @@ class Producers:
         """Load the newest weights if this worker has not (a restarted worker serves only current weights), then
         generate; (the weights' generation now loaded, trajectories, latency)."""
         with self.fleet.serving(worker):  # not while the periodic eval uses this worker (RolloutFleet.generate)
-            loaded, _ = self._load(worker, loaded)
+            loaded = self._load(worker, loaded)
             started = time.perf_counter()
             with self.beat("generate", "rollout"):
                 trajectories = worker.generate([self.encode(self.roles.cursor.record_at(k)) for k in keys])
@@ -286,14 +289,14 @@ class Producers:
     def _streams(self, worker: RolloutWorker) -> bool:
         return self.spec.queue.continuous and hasattr(worker, "stream")
 
-    def _load(self, worker: RolloutWorker, loaded: int) -> tuple[int, int]:
-        """Load the newest weights if this worker has not; (generation now loaded, newest generation)."""
+    def _load(self, worker: RolloutWorker, loaded: int) -> int:
+        """Load the newest weights if this worker has not; the weights' generation it holds now."""
         generation, update = self.fleet.board.latest()
         if generation != loaded and update is not None:
             with self.beat("publish", "rollout"):
                 worker.load_weights(update)
             loaded = generation
-        return loaded, generation
+        return loaded
 
     def _stream(self, worker: RolloutWorker, keys: list[int], loaded: int) -> int:
         """One continuous call: each group is scored and queued as soon as it ends (``_flush_at`` at a time), more
@@ -302,7 +305,7 @@ class Producers:
         is idle, on stop, or when the periodic eval waits for this worker. ``keys`` always holds the keys claimed
         and not yet queued (what a failure hands back); returns the weights' generation the worker holds."""
         with self.fleet.serving(worker):
-            loaded, _ = self._load(worker, loaded)
+            loaded = self._load(worker, loaded)
             taken, since = list(keys), [time.perf_counter()] * len(keys)
             ready: list[tuple[int, list[Trajectory]]] = []
             held = loaded
