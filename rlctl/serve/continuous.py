@@ -9,7 +9,8 @@ ends is answered at once; a request is answered when its last row ends. Rules ke
   rows in flight finish under the old weights (each answer names the version that produced it), the update runs,
   and the waiting requests start under the new weights on a new session.
 - Cancellation: a job whose client left (or every job, on shutdown) has its rows ended at the next step.
-- Admission is first come, first served; ``max_batch_rows`` is the number of slots.
+- Fair admission: ``max_batch_rows`` is the number of slots; free slots are shared evenly among the requests
+  with rows left (round robin), so a request of many rows cannot hold a small one back.
 
 What this is not: isolation by retry. A batch scheduler can re-run each request of a failed batch alone; here a
 failed step fails the requests in flight (parse_generate refuses bad rows before they reach the engine, so a step
@@ -58,24 +59,32 @@ class ContinuousWorker(EngineWorker):
 
     def _loop(self) -> None:
         try:
-            while self._collect(block=not self._running and not self._calls):
+            while self._collect(block=not self._busy_rows and not self._calls):
                 if self._closing.is_set():
                     break
-                if self._calls and not self._running:  # in-flight rows are done: the update runs now
+                if self._calls and not self._decoding:  # the rows in flight are done: the update runs now
                     self._session = None  # its decoder holds the old weights
                     while self._calls:
                         self._run_call(self._calls.popleft())
-                while self._waiting and not self._calls:
-                    self._admit(self._waiting.popleft())
+                if not self._calls:
+                    while self._waiting:
+                        self._admit(self._waiting.popleft())
+                    self._feed()
                 self._cancel()
-                if self._running:
+                self._finish_jobs()
+                if self._decoding:
                     self._step()
         finally:
             self._fail_all()
 
     @property
-    def _running(self) -> bool:
+    def _decoding(self) -> bool:
         return self._session is not None and not self._session.idle
+
+    @property
+    def _busy_rows(self) -> bool:
+        """Rows decoding or waiting to be fed to the session."""
+        return self._decoding or any(job.left > 0 and not job.aborted for job in self._active)
 
     def _collect(self, block: bool) -> bool:
         """Move everything queued into _waiting / _calls (waiting for the first item when ``block``);
@@ -95,23 +104,44 @@ class ContinuousWorker(EngineWorker):
             self.stats.cancelled += 1
             job.future.set_exception(Cancelled("the request was cancelled", "nothing to do"))
             return
+        self._active.append(job)
+        self.stats.requests += 1
+        self.stats.largest_batch_requests = max(self.stats.largest_batch_requests, len(self._active))
+
+    def _feed(self) -> None:
+        """Rows of the admitted requests into the session while it has free slots, shared evenly among the
+        requests with rows left (round robin), so a request of many rows cannot hold a small one back."""
+        jobs = [job for job in self._active if job.left > 0 and not job.aborted]
+        if not jobs:
+            return
         if self._session is None:
             self._session = self.engine.open_session(self.max_batch_rows)
+        free = self.max_batch_rows - self._session.live - self._session.queued
+        while free > 0 and jobs:
+            share = max(1, free // len(jobs))
+            for job in jobs:
+                take = min(share, job.left, free)
+                if take > 0 and self._add(job, take):
+                    free -= take
+            jobs = [job for job in jobs if job.left > 0 and not job.future.done()]
+
+    def _add(self, job: _Generate, count: int) -> bool:
+        """The job's next ``count`` rows into the session; False (the job failed) if the engine refused one."""
         try:
-            for i, row in enumerate(job.rows):
+            for i in range(job.scheduled, job.scheduled + count):
+                row = job.rows[i]
                 request = RolloutRequest(prompt_id=row.rid, prompt_tokens=row.input_ids, group_size=1,
                                          sampling=row.sampling, dataset_version="serve")
                 (sid,) = self._session.add(request, ignore_eos=row.ignore_eos)
                 self._rows[sid] = (job, i)
+                job.scheduled += 1
+                self.stats.rows += 1
         except BaseException as err:  # noqa: BLE001 - this request's own failure (a fault, a bad row)
             self._abort_job(job)
+            self._active.remove(job)
             job.future.set_exception(err)
-            return
-        job.scheduled = len(job.rows)
-        self._active.append(job)
-        self.stats.requests += 1
-        self.stats.rows += len(job.rows)
-        self.stats.largest_batch_requests = max(self.stats.largest_batch_requests, len(self._active))
+            return False
+        return True
 
     def _abort_job(self, job: _Generate) -> None:
         rows = [sid for sid, (owner, _) in self._rows.items() if owner is job]
@@ -133,7 +163,7 @@ class ContinuousWorker(EngineWorker):
             finished = self._session.step()
         except BaseException as err:  # noqa: BLE001 - the requests in flight get the engine's error
             self._session = None
-            for job in self._active:
+            for job in self._active:  # rows not fed yet fail with them
                 if not job.future.done():
                     job.future.set_exception(err)
             self._active.clear()
@@ -150,7 +180,12 @@ class ContinuousWorker(EngineWorker):
         for sid, trajectory in finished:
             job, i = self._rows.pop(sid)
             job.results[i] = (trajectory, self.weight_version)
-        for job in [j for j in self._active if all(r is not None for r in j.results)]:
+        self._finish_jobs()
+
+    def _finish_jobs(self) -> None:
+        """Answer every request whose rows are all back (those fed, for a cancelled one)."""
+        for job in [j for j in self._active if (j.left == 0 or j.aborted)
+                    and all(r is not None for r in j.results[:j.scheduled])]:
             self._active.remove(job)
             if job.future.done():
                 continue

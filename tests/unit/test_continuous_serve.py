@@ -140,6 +140,20 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(worker, tiny_sessi
     assert worker.stats.largest_batch_requests == 2 and worker.stats.largest_batch_rows == 5
 
 
+def test_a_request_of_many_rows_does_not_hold_a_small_one_back(worker, tiny_session):
+    """40 rows of 300 tokens on 8 slots, then a 1-row request: free slots are shared among the requests with rows
+    left, so the small one starts at the next free slot, not after the 32 rows queued before it."""
+    big = worker.submit(_rows(tiny_session, 40, 300, ignore_eos=True, rid="big"))
+    while worker.stats.batches < 5:
+        time.sleep(0.001)
+    small = worker.submit(_rows(tiny_session, 1, 3, ignore_eos=True, rid="small"))
+    trajectories, _ = small.future.result(timeout=120)
+    assert trajectories[0].num_response_tokens == 3
+    assert not big.future.done() and worker.stats.batches < 2 * 300  # a FIFO queue would make it wait ~1,200 steps
+    done, _ = big.future.result(timeout=300)
+    assert [t.num_response_tokens for t in done] == [300] * 40
+
+
 def test_a_weight_update_waits_for_the_rows_in_flight_and_later_rows_use_it(worker, tiny_session):
     """Rows decoding when an update is asked for finish under the old weights (and say so); the update runs
     between steps; requests queued meanwhile start on the new weights."""
