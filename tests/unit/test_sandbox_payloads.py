@@ -380,7 +380,12 @@ def _jailed_processes() -> list[str]:
 
 
 def _leftover_cgroups() -> list[str]:
-    return [str(p) for p in Path("/sys/fs/cgroup/pids").rglob(f"rlctl-sbx-{os.getpid()}-*")]
+    """This process's jail cgroups still on the host. os.walk, not Path.rglob: the other xdist worker's jails are
+    created and removed while the tree is walked, and rglob raised FileNotFoundError on one that vanished (CI)."""
+    prefix, found = f"rlctl-sbx-{os.getpid()}-", []
+    for top, dirs, _ in os.walk("/sys/fs/cgroup/pids", onerror=lambda err: None):
+        found.extend(os.path.join(top, d) for d in dirs if d.startswith(prefix))
+    return found
 
 
 # A quick subset runs in the default suite; the whole catalogue (about 2.5 min) is marked slow (CI runs it).
