@@ -200,7 +200,7 @@ class LocalEngine:
 
     def open_session(self, num_slots: int) -> "EngineSession":
         """Continuous batching on ``num_slots`` decode slots over the weights served now (EngineSession)."""
-        if not fast_path_supported(self.model):
+        if not self.supports_sessions():
             raise RoleError("continuous batching needs an fp32 Llama/Qwen2-shaped model (the static-cache fast "
                             "path)", "serve this model with --scheduler batch")
         self._reload_weights()
@@ -262,6 +262,7 @@ class LocalEngine:
                         pending[k][trajectory.group_index] = trajectory
                         if all(t is not None for t in pending[k]):
                             on_group(k, pending[k])
+                            pending[k] = []  # handed out: the call keeps nothing of it
                 sessions = [s for s in sessions[:-1] if not s.idle] + sessions[-1:]
         finally:
             self._release()

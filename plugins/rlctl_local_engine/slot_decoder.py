@@ -39,12 +39,16 @@ class _SlotDecoder:
         self.vocab, self.eps = head.shape[0], _eps(inner.norm)
         self.embed = inner.embed_tokens.weight.detach().clone()  # every weight is this decoder's own copy: a
         self.dtype = self.embed.dtype  # session goes on with its weights after the model is updated
-        self.capacity = 0
-        self.k = [torch.zeros((slots, self.num_kv, 0, self.head_dim), dtype=self.dtype) for _ in inner.layers]
-        self.v = [k.clone() for k in self.k]
-        self.bias = torch.zeros((slots, 0), dtype=self.dtype)
-        self.pos = torch.zeros(slots, dtype=torch.long)  # next position to write, per slot
+        self.clear()
         self.resize(slots, capacity)
+
+    def clear(self) -> None:
+        """No slots and no capacity (resize grows them again); the weights are kept."""
+        self.capacity = 0
+        self.k = [torch.zeros((0, self.num_kv, 0, self.head_dim), dtype=self.dtype) for _ in self.layers]
+        self.v = [k.clone() for k in self.k]
+        self.bias = torch.zeros((0, 0), dtype=self.dtype)
+        self.pos = torch.zeros(0, dtype=torch.long)  # next position to write, per slot
 
     @property
     def slots(self) -> int:

@@ -101,11 +101,11 @@ class SlotSession:
     Rows are admitted in the order they were added. Rows may differ in sampling config (one draw per config
     per step), max tokens, stop check and EOS handling. The slot batch starts as small as the queue allows
     and grows up to ``num_slots`` when more rows wait; the cache's capacity grows with the longest prompt +
-    max tokens admitted. Not thread-safe: one thread adds, steps and aborts.
+    max tokens admitted; both start again from nothing whenever the session runs idle. Not thread-safe: one thread adds, steps and aborts.
     """
 
     def __init__(self, model: Any, *, eos_id: int, num_slots: int) -> None:
-        self.model, self.eos_id, self.num_slots = model, eos_id, max(_MIN_ROWS, num_slots)
+        self.eos_id, self.num_slots = eos_id, max(_MIN_ROWS, num_slots)
         self._rows: dict[int, _Row] = {}
         self._queue: deque[int] = deque()
         self._next = 0
@@ -188,7 +188,16 @@ class SlotSession:
         active = (state.row >= 0) & ~fresh
         if bool(active.any()):
             state.logits = torch.where(active[:, None], self._dec.step(tok, active), state.logits)
+        elif not self._queue and not self._aborted and not bool((state.row >= 0).any()):
+            self._reset()  # idle: the next rows start from an empty batch sized for them
         return done
+
+    def _reset(self) -> None:
+        """Back to no slots and no capacity (the weights stay): a long prompt or max_tokens once served does not
+        widen every later step's attention in a long-lived session."""
+        self._state = None
+        self._capacity = self._steps = 0
+        self._dec.clear()
 
     def _admit(self) -> torch.Tensor | None:
         """Queued rows into free slots (lowest slot first), growing the batch when rows wait; fresh slots."""
@@ -351,23 +360,24 @@ class _Slots:
 class _Prefixes:
     """Each distinct queued prompt's keys, values and last logits: prefilled _PREFILL_PROMPTS prompts at a time
     (the one a row needs, then the next waiting ones in the order they were first added) when a row of one is
-    admitted, and dropped once every queued row of that prompt has been."""
+    admitted, and forgotten once every queued row of that prompt has been (a long-lived session keeps nothing of
+    the prompts it served)."""
 
     def __init__(self) -> None:
         self.index: dict[tuple[int, ...], int] = {}
-        self.distinct: list[list[int]] = []
-        self.left: list[int] = []
+        self.prompt: dict[int, tuple[int, ...]] = {}
+        self.left: dict[int, int] = {}  # queued rows of each prompt
         self.waiting: deque[int] = deque()  # distinct prompts with queued rows and no prefill yet, in order
         self.ready: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
+        self._next = 0
 
     def add(self, prompt: Sequence[int]) -> int:
         key = tuple(prompt)
         u = self.index.get(key)
         if u is None:
-            u = self.index[key] = len(self.distinct)
-            self.distinct.append(list(key))
-            self.left.append(0)
-        if self.left[u] == 0 and u not in self.ready:
+            u = self.index[key] = self._next
+            self._next += 1
+            self.prompt[u], self.left[u] = key, 0
             self.waiting.append(u)
         self.left[u] += 1
         return u
@@ -376,9 +386,9 @@ class _Prefixes:
         """A queued row of prompt ``u`` left without being admitted."""
         self.left[u] -= 1
         if self.left[u] == 0:
-            self.ready.pop(u, None)
             if u in self.waiting:
                 self.waiting.remove(u)
+            self._forget(u)
 
     def take(self, u: int, dec: _SlotDecoder) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         if u not in self.ready:
@@ -386,9 +396,16 @@ class _Prefixes:
             self.waiting.remove(u)
             while self.waiting and len(batch) < _PREFILL_PROMPTS:
                 batch.append(self.waiting.popleft())
-            self.ready.update(zip(batch, dec.prefill([self.distinct[v] for v in batch])))
+            self.ready.update(zip(batch, dec.prefill([list(self.prompt[v]) for v in batch])))
         self.left[u] -= 1
-        return self.ready.pop(u) if self.left[u] == 0 else self.ready[u]
+        entry = self.ready[u]
+        if self.left[u] == 0:
+            self._forget(u)
+        return entry
+
+    def _forget(self, u: int) -> None:
+        del self.index[self.prompt.pop(u)], self.left[u]
+        self.ready.pop(u, None)
 
 
 def row_key(seed: int, *parts: Any) -> int:

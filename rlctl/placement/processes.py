@@ -11,8 +11,9 @@ The child builds its backend from the run's rollout config section and the
 worker's RolloutContext (as a Ray rollout actor does: a role is built where it
 lives) and serves calls one at a time over a pipe: ``generate``, ``stream``
 (continuous rollout: groups sent back as they end, prompts asked for without
-waiting while it decodes, weights received mid-call), ``update_weights`` (the state dict is pickled through the pipe: a copy, but
-no shared-memory segment, which a container's 64 MB /dev/shm would cap),
+waiting while it decodes, weights received mid-call), ``update_weights``
+(the state dict is pickled through the pipe: a copy, but no shared-memory
+segment, which a container's 64 MB /dev/shm would cap),
 ``use_run_dir``. The driver side waits
 for an answer while watching the child: a child that exits (SIGKILL, OOM
 killer, a crash in native code) is ``WorkerLost`` and ``restart`` spawns a

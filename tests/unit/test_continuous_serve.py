@@ -70,11 +70,13 @@ def test_a_session_grows_its_slots_and_capacity_for_what_arrives(tiny_session):
     big = dataclasses.replace(small, prompt_tokens=small.prompt_tokens * 3, group_size=6,
                               sampling=dataclasses.replace(small.sampling, max_tokens=48))
     session.add(big, ignore_eos=True)
-    out, widest = dict(first), 0
+    out, widest, deepest = dict(first), 0, 0
     while not session.idle:
         out.update(session.step())
         widest = max(widest, session._session._dec.slots)  # compaction shrinks it again as rows end
-    assert widest == 8 and session._session._dec.capacity >= len(big.prompt_tokens) + 48
+        deepest = max(deepest, session._session._dec.capacity)
+    assert widest == 8 and deepest >= len(big.prompt_tokens) + 48
+    assert session._session._dec.capacity == 0 and session._session._dec.slots == 0  # idle: back to nothing
     long_rows = [t for t in out.values() if t.prompt_tokens == big.prompt_tokens]
     assert len(long_rows) == 6 and all(t.num_response_tokens == 48 for t in long_rows)
     assert all(t.terminal_reason is TerminalReason.LENGTH for t in long_rows)
