@@ -315,13 +315,29 @@ class EngineGone:
             raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
         return self.inner.generate(requests)
 
-    def stream(self, requests, on_group, more=None):  # a continuous call counts as one call too
-        from rlctl.contracts.errors import RolloutUnavailable
+    def update_weights(self, update):
+        self.loaded = max(getattr(self, "loaded", 0), update.version)
+        return self.inner.update_weights(update)
 
-        self.calls += 1
-        if self.calls in self.lose:
-            raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
-        return self.inner.stream(requests, on_group, more)
+    def stream(self, requests, on_group, more=None):
+        """A continuous call may serve the whole run, so its engine vanishes mid-call instead: at the first group
+        it would deliver once it holds weights newer than the initial ones (between calls or mid-call)."""
+        from rlctl.contracts.errors import RolloutUnavailable
+        from rlctl.contracts.weights import WeightUpdate
+
+        def asked(free, idle):
+            got = more(free, idle)
+            if isinstance(got, WeightUpdate):
+                self.loaded = max(getattr(self, "loaded", 0), got.version)
+            return got
+
+        def deliver(k, group):
+            if self.lose and getattr(self, "loaded", 0) >= 1:
+                self.lose.clear()
+                raise RolloutUnavailable("no rollout server is reachable (connection refused)", "start the servers")
+            on_group(k, group)
+
+        return self.inner.stream(requests, deliver, asked if more is not None else None)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
