@@ -140,12 +140,22 @@ class KillsItsChild:
             os.kill(self.inner.pid, signal.SIGKILL)
         return self.inner.generate(requests)
 
-    def stream(self, requests, on_group, more=None):  # a continuous call counts as one call too
+    def stream(self, requests, on_group, more=None):
+        """A continuous call may serve the whole run, so each group it delivers counts as a call as well; on a
+        killing one the child dies before that group reaches the driver (it is lost with the rest in flight)."""
         self.calls += 1
         self.pids.append(self.inner.pid)
         if self.calls in self.kill:
             os.kill(self.inner.pid, signal.SIGKILL)
-        return self.inner.stream(requests, on_group, more)
+
+        def deliver(k, group):
+            self.calls += 1
+            if self.calls in self.kill:
+                os.kill(self.inner.pid, signal.SIGKILL)
+                return
+            on_group(k, group)
+
+        return self.inner.stream(requests, deliver, more)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
