@@ -36,6 +36,7 @@ import torch
 
 from rlctl import SamplingConfig, TerminalReason
 from rlctl.kit.algo import process_logits
+from rlctl_local_engine.gemm import Linear
 
 _REASONS = (TerminalReason.LENGTH, TerminalReason.EOS, TerminalReason.STOP, TerminalReason.ABORT)
 _ABORTED = 3  # index of TerminalReason.ABORT
@@ -257,8 +258,9 @@ class _LlamaDecoder:
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.layers = [_LayerWeights.of(layer) for layer in inner.layers]
-        self.head = model.lm_head.weight * inner.norm.weight  # final RMSNorm gain folded into the LM head
-        self.head_bias, self.eps = getattr(model.lm_head, "bias", None), _eps(inner.norm)
+        # final RMSNorm gain folded into the LM head
+        self.head = Linear(model.lm_head.weight * inner.norm.weight, getattr(model.lm_head, "bias", None))
+        self.eps = _eps(inner.norm)
         width, n = ids.shape[1], expand.numel()
         total, dtype = width + max_new, inner.embed_tokens.weight.dtype
         self.positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp]
@@ -313,7 +315,7 @@ class _LlamaDecoder:
         return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(_normalized(x, self.eps), self.head, self.head_bias)
+        return self.head(_normalized(x, self.eps))
 
     def _layer(self, w: "_LayerWeights", i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                bias: torch.Tensor, at: int) -> torch.Tensor:
@@ -322,7 +324,7 @@ class _LlamaDecoder:
         n, q_len, _ = x.shape
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
         h = _normalized(x, w.eps1)
-        y = F.linear(h, w.qkv, w.qkv_bias).view(n, q_len, -1, d).transpose(1, 2)  # [n, H+2Hkv, q, d]
+        y = w.qkv(h).view(n, q_len, -1, d).transpose(1, 2)  # [n, H+2Hkv, q, d]
         qk = y[:, : heads + kv]
         qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # RoPE on queries and keys at once
         q, k, v = qk[:, :heads], qk[:, heads:], y[:, heads + kv:]
@@ -337,43 +339,43 @@ class _LlamaDecoder:
             keys, values = self.k[i][:, :, : at + 1], self.v[i][:, :, : at + 1]  # [n, Hkv, S, d]
             scores = torch.matmul(q.reshape(n, kv, heads // kv, d), keys.transpose(-1, -2))  # [n, Hkv, g, S]
             out = torch.matmul(torch.softmax(scores.add_(bias), dim=-1), values).view(n, 1, heads * d)
-        x = x + F.linear(out, w.o, w.o_bias)
-        gate, up = F.linear(_normalized(x, w.eps2), w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(w.act(gate) * up, w.down)
+        x = x + w.o(out)
+        gate, up = w.gate_up(_normalized(x, w.eps2)).chunk(2, dim=-1)
+        return x + w.down(w.act(gate) * up)
 
 
 @dataclass(frozen=True, slots=True)
 class _LayerWeights:
-    """One layer's weights, refolded for decoding (a per-call copy; the model is not touched).
+    """One layer's weights, refolded for decoding (the decoder's own copy; the model is not touched).
 
     ``qkv`` stacks the q, k and v rows with the input RMSNorm gain multiplied
     into every column and the attention scale into q (RoPE is linear, so the
     scale commutes with it); ``gate_up`` stacks gate and up with the
-    post-attention gain.
+    post-attention gain. Each projection is a gemm.Linear (packed for oneDNN when large).
     """
 
     eps1: float
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     eps2: float
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
     act: Any
 
     @classmethod
-    def of(cls, layer: Any) -> "_LayerWeights":
+    def of(cls, layer: Any, *, transposed: bool = False) -> "_LayerWeights":
         a, m = layer.self_attn, layer.mlp
         scale = a.scaling
         blocks = [a.q_proj.weight * scale, a.k_proj.weight, a.v_proj.weight]
         bias = None
         if a.q_proj.bias is not None:
             bias = torch.cat([a.q_proj.bias * scale, a.k_proj.bias, a.v_proj.bias])
-        return cls(eps1=_eps(layer.input_layernorm), qkv=torch.cat(blocks) * layer.input_layernorm.weight,
-                   qkv_bias=bias, o=a.o_proj.weight, o_bias=a.o_proj.bias, eps2=_eps(layer.post_attention_layernorm),
-                   gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]) * layer.post_attention_layernorm.weight,
-                   down=m.down_proj.weight, act=m.act_fn)
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]) * layer.post_attention_layernorm.weight
+        return cls(eps1=_eps(layer.input_layernorm),
+                   qkv=Linear(torch.cat(blocks) * layer.input_layernorm.weight, bias, transposed=transposed),
+                   o=Linear(a.o_proj.weight, a.o_proj.bias, transposed=transposed),
+                   eps2=_eps(layer.post_attention_layernorm), gate_up=Linear(gate_up, None, transposed=transposed),
+                   down=Linear(m.down_proj.weight, None, transposed=transposed), act=m.act_fn)
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlctl_local_engine.gemm import Linear
 from rlctl_local_engine.sampler import _LayerWeights, _eps, _left_pad, _normalized
 
 _MIN_ROWS = 2  # one-row products take MKL's GEMV path, whose sums differ from the GEMM rows of larger batches
@@ -32,10 +33,9 @@ class _SlotDecoder:
         self.inner = inner
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.layers = [_Transposed.of(_LayerWeights.of(layer)) for layer in inner.layers]
+        self.layers = [_LayerWeights.of(layer, transposed=True) for layer in inner.layers]
         head = model.lm_head.weight * inner.norm.weight
-        bias = getattr(model.lm_head, "bias", None)
-        self.head, self.head_bias = head.t().contiguous(), None if bias is None else bias.detach().clone()
+        self.head = Linear(head, getattr(model.lm_head, "bias", None), transposed=True)
         self.vocab, self.eps = head.shape[0], _eps(inner.norm)
         self.embed = inner.embed_tokens.weight.detach().clone()  # every weight is this decoder's own copy: a
         self.dtype = self.embed.dtype  # session goes on with its weights after the model is updated
@@ -124,14 +124,13 @@ class _SlotDecoder:
         return self._logits(x[:, -1])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.matmul(_normalized(x, self.eps), self.head)
-        return out if self.head_bias is None else out + self.head_bias
+        return self.head(_normalized(x, self.eps))
 
-    def _layer(self, w: "_Transposed", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
+    def _layer(self, w: _LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
                decode: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, q_len, _ = x.shape
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
-        y = _linear(_normalized(x, w.eps1), w.qkv, w.qkv_bias).view(n, q_len, -1, d).transpose(1, 2)
+        y = w.qkv(_normalized(x, w.eps1)).view(n, q_len, -1, d).transpose(1, 2)
         qk = y[:, : heads + kv]
         qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
         q, k, v = qk[:, :heads], qk[:, heads:], y[:, heads + kv:]
@@ -147,26 +146,7 @@ class _SlotDecoder:
             keys, values = self.k[i], self.v[i]  # [n, Hkv, S, d]
             scores = torch.matmul(q.reshape(n, kv, heads // kv, d), keys.transpose(-1, -2))  # [n, Hkv, g, S]
             out = torch.matmul(torch.softmax(scores.add_(bias), dim=-1), values).view(n, 1, heads * d)
-        x = x + _linear(out, w.o, w.o_bias)
-        gate, up = _linear(_normalized(x, w.eps2), w.gate_up, None).chunk(2, dim=-1)
-        return x + _linear(w.act(gate) * up, w.down, None), k, v
+        x = x + w.o(out)
+        gate, up = w.gate_up(_normalized(x, w.eps2)).chunk(2, dim=-1)
+        return x + w.down(w.act(gate) * up), k, v
 
-
-class _Transposed:
-    """_LayerWeights with every matrix stored as [in, out] (x @ W: batch-invariant GEMM rows, see _MIN_ROWS)."""
-
-    __slots__ = ("eps1", "qkv", "qkv_bias", "o", "o_bias", "eps2", "gate_up", "down", "act")
-
-    @classmethod
-    def of(cls, w: _LayerWeights) -> "_Transposed":
-        out = cls()
-        out.eps1, out.eps2, out.act, out.qkv_bias = w.eps1, w.eps2, w.act, w.qkv_bias
-        out.o_bias = None if w.o_bias is None else w.o_bias.detach().clone()  # the model's own: copied
-        out.qkv, out.o = w.qkv.t().contiguous(), w.o.t().contiguous()
-        out.gate_up, out.down = w.gate_up.t().contiguous(), w.down.t().contiguous()
-        return out
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.matmul(x, weight_t)
-    return out if bias is None else out + bias

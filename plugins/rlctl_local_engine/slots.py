@@ -14,8 +14,9 @@ quarters of the slots are live, the batch is compacted as in ``sampler.sample``.
 Schedule-independent samples: a row's draws come from its own stream, a counter-based hash of
 (``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. Prefill
 batches depend on the call only. A row's decode logits do not depend on which other rows share its forward
-where the matmul kernels are batch-invariant: the decoder multiplies by pre-transposed weights with at
-least 2 rows and attends over the whole cache width, which on an Intel CPU/MKL host gave bit-equal rows for
+where the matmul kernels are batch-invariant: the decoder multiplies by pre-transposed weights (weights from
+256 x 768 up: oneDNN-packed, gemm.py) with at least 2 rows and attends over the whole cache width, which on an
+Intel CPU/MKL host gave bit-equal rows for
 every batch size at the tiny shapes. That is the machine's kernels, not a guarantee: on an AMD EPYC host the
 same test model's log-probs moved by up to 5.3e-5 between slot counts (tokens still equal), and hidden 896 was
 not batch-invariant for x @ W even on the Intel host (GPUs untested). tests/unit/test_slot_engine.py checks
