@@ -30,6 +30,7 @@ nor the HF generic path (models off the fast path use ``scheduler: batch``).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -119,7 +120,7 @@ class SlotSession:
     @property
     def idle(self) -> bool:
         """No row queued or live."""
-        return not self._queue and not self._aborted and (self._state is None or not bool((self._state.row >= 0).any()))
+        return not self._queue and not self._aborted and (self._state is None or self._state.num_live == 0)
 
     @property
     def queued(self) -> int:
@@ -127,7 +128,7 @@ class SlotSession:
 
     @property
     def live(self) -> int:
-        return 0 if self._state is None else int((self._state.row >= 0).sum())
+        return 0 if self._state is None else self._state.num_live
 
     def add(self, prompt: Sequence[int], key: int, sampling: SamplingConfig, *, max_tokens: int | None = None,
             min_length: int | None = None, stop_check: Any = None, ignore_eos: bool = False) -> int:
@@ -171,7 +172,7 @@ class SlotSession:
         self._admit()
         state, done = self._state, self._aborted
         self._aborted = []
-        if state is None or not bool((state.row >= 0).any()):
+        if state is None or state.num_live == 0:
             return done
         live = state.row >= 0
         tok, lp = state.draw(live)
@@ -189,7 +190,7 @@ class SlotSession:
         active = (state.row >= 0) & ~fresh
         if bool(active.any()):
             state.logits = torch.where(active[:, None], self._dec.step(tok, active), state.logits)
-        elif not self._queue and not self._aborted and not bool((state.row >= 0).any()):
+        elif not self._queue and not self._aborted and state.num_live == 0:
             self._reset()  # idle: the next rows start from an empty batch sized for them
         return done
 
@@ -236,6 +237,8 @@ class _Slots:
         self.sampling: list[SamplingConfig | None] = [None] * batch
         self.stop: list[Any] = [None] * batch
         self.special = 0  # live rows with a stop check or a min length (the slow record path)
+        self.num_live = 0
+        self.configs: dict[SamplingConfig, int] = {}  # live rows per distribution (_distribution)
 
     _PER_SLOT = ("row", "t", "logits", "limit", "min_len", "eos", "first_end", "reason", "u", "tokens", "logps")
 
@@ -266,8 +269,11 @@ class _Slots:
             ks, vs, logits = prefixes.take(spec.prompt, dec)
             dec.load(slot, ks, vs)
             self.logits[slot] = logits
-            self.sampling[slot], self.stop[slot] = spec.sampling, spec.stop
+            dist = self.sampling[slot] = _distribution(spec.sampling)
+            self.stop[slot] = spec.stop
             self.special += spec.stop is not None or spec.min_length > 0
+            self.configs[dist] = self.configs.get(dist, 0) + 1
+        self.num_live += len(taken)
         specs = [rows[r] for r in taken]
         self.row[slots] = torch.tensor(taken, dtype=torch.long)
         self.t[slots] = 0
@@ -281,11 +287,11 @@ class _Slots:
         return fresh
 
     def draw(self, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A token and its log-prob for every slot (free slots draw too, ignored), each row under its config."""
-        configs = {self.sampling[s] for s in live.nonzero().flatten().tolist()}
+        """A token and its log-prob for every slot (free slots draw too, ignored), each row under its distribution."""
+        configs = list(self.configs)
         u = self.u[torch.arange(self.row.numel()), self.t.clamp(max=self.u.shape[1] - 1)]
         if len(configs) == 1:
-            sampling = configs.pop()
+            sampling = configs[0]
             return _draw(self.logits, sampling, None if sampling.greedy else u)
         tok = torch.zeros(self.row.numel(), dtype=torch.long)
         lp = torch.zeros(self.row.numel(), dtype=torch.float32)
@@ -337,8 +343,13 @@ class _Slots:
             out.append(Done(r, self.tokens[slot, :k].tolist(), self.logps[slot, :k].tolist(), _REASONS[why]))
             spec = rows.pop(r)
             self.special -= spec.stop is not None or spec.min_length > 0
+            dist = self.sampling[slot]
+            self.configs[dist] -= 1
+            if not self.configs[dist]:
+                del self.configs[dist]
             self.sampling[slot] = self.stop[slot] = None
         self.row[slots] = -1
+        self.num_live -= len(out)
         return out
 
     def maybe_compact(self) -> torch.Tensor | None:
@@ -434,6 +445,13 @@ def uniforms(keys: Sequence[int], steps: int) -> torch.Tensor:
     a = _fmix(a ^ k[:, 1])
     b = _fmix((a + 0x68E31DA4) & _MASK32 ^ k[:, 0])
     return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0
+
+
+@functools.lru_cache(maxsize=256)
+def _distribution(sampling: SamplingConfig) -> SamplingConfig:
+    """What a draw depends on (temperature, top-p, top-k): rows that differ only in max tokens or stop strings
+    (every serve request names its own max_new_tokens) share one draw per step."""
+    return SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=1)
 
 
 def _draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor | None):
