@@ -196,7 +196,8 @@ def slot_cases(model: Any, tok: Any, rows: list[list[int]], lengths: list[int], 
 
     from rlctl.contracts.types import SamplingConfig
     from rlctl_local_engine.sampler import sample
-    from rlctl_local_engine.slots import row_key, sample_slots
+    from rlctl_local_engine.slots import sample_slots
+    from rlctl_local_engine.streams import row_key
 
     cap = max(lengths)
     sampling = SamplingConfig(temperature=1.0, max_tokens=cap)

@@ -50,7 +50,8 @@ from rlctl.kit import (
 )
 from rlctl_local_engine.options import LocalEngineOptions
 from rlctl_local_engine.sampler import fast_path_supported, sample
-from rlctl_local_engine.slots import SlotSession, row_key, sample_slots
+from rlctl_local_engine.slots import SlotSession, sample_slots
+from rlctl_local_engine.streams import row_key
 
 
 class LocalEngine:

@@ -3,26 +3,28 @@
 What this is: ``SlotSession``, continuous batching on a fixed number of decode slots that takes rows at any
 time (``rlctl serve rollout``'s continuous scheduler and continuous rollout use it through
 ``LocalEngine.open_session``), and ``sample_slots``, the same contract as ``sampler.sample`` (one response per
-row, in row order): a session given every row at once and drained. Rows are admitted in order; a row that ends (EOS, stop,
-its max tokens, abort) frees its slot, and the next queued row takes it at once while the others keep
-decoding. Each slot has its own position and its own region of a per-slot KV cache, so a row's keys
-sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once (32 distinct prompts per
-prefill, in call order): its keys, values and last logits are kept until every one of its rows (the G
-samples) has been admitted and are copied into each row's slot. Once the queue is empty and at most three
-quarters of the slots are live, the batch is compacted as in ``sampler.sample``.
+row, in row order): a session given every row at once and drained. Rows are admitted in order; a row that
+ends (EOS, stop, its max tokens, abort) frees its slot, and the next queued row takes it at the end of that
+step while the others keep decoding. Each slot has its own position and its own region of a per-slot KV
+cache, so a row's keys sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once
+(those rows need now, then the next waiting ones in the order added, 32 distinct prompts per prefill), inside
+the decode step's forward when rows are decoding (its positions are rows of the same weight products; 4-8%
+more tokens/s on the serve bench's arrivals) and on its own otherwise: its keys, values and last logits are
+kept until every one of its rows (the G samples) has been admitted and are copied into each row's slot. Once
+the queue is empty and at most three quarters of the slots are live, the batch is compacted as in
+``sampler.sample``.
 
-Schedule-independent samples: a row's draws come from its own stream, a counter-based hash of
-(``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. Prefill
-batches depend on the call only. A row's decode logits do not depend on which other rows share its forward
-where the matmul kernels are batch-invariant: the decoder multiplies by pre-transposed weights (weights from
-256 x 768 up: oneDNN-packed, gemm.py) with at least 2 rows and attends over the whole cache width, which on an
-Intel CPU/MKL host gave bit-equal rows for
+Schedule-independent samples: a row's draws come from its own stream (streams.py), a counter-based hash of
+(``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. A row's
+logits do not depend on which other rows share its forward where the matmul kernels are batch-invariant: the
+decoder multiplies by pre-transposed weights (weights from 256 x 768 up: oneDNN-packed, gemm.py) with at
+least 2 rows and attends over the whole cache width, which on an Intel CPU/MKL host gave bit-equal rows for
 every batch size at the tiny shapes. That is the machine's kernels, not a guarantee: on an AMD EPYC host the
 same test model's log-probs moved by up to 5.3e-5 between slot counts (tokens still equal), and hidden 896 was
 not batch-invariant for x @ W even on the Intel host (GPUs untested). tests/unit/test_slot_engine.py checks
 identical tokens and log-probs within the 1e-4 mismatch bound. Where kernels are not batch-invariant a draw
-changes only if its uniform lands that close to a CDF boundary. The same requests, slot count and keys always give the same schedule, so a
-resumed run is bitwise equal to a straight one whatever the kernels.
+changes only if its uniform lands that close to a CDF boundary. The same requests, slot count and keys always
+give the same schedule, so a resumed run is bitwise equal to a straight one whatever the kernels.
 
 What this is not: paged attention (the per-slot cache is sized for the call's longest prompt + max tokens)
 nor the HF generic path (models off the fast path use ``scheduler: batch``).
@@ -30,7 +32,7 @@ nor the HF generic path (models off the fast path use ``scheduler: batch``).
 
 from __future__ import annotations
 
-import functools
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -38,11 +40,10 @@ from typing import Any, Sequence
 import torch
 
 from rlctl import SamplingConfig, TerminalReason
-from rlctl.kit.algo import process_logits
 from rlctl_local_engine.sampler import _REASONS, Sampled
-from rlctl_local_engine.slot_decoder import _MIN_ROWS, _SlotDecoder
+from rlctl_local_engine.slot_decoder import _MIN_ROWS, Prefilled, _SlotDecoder
+from rlctl_local_engine.streams import _distribution, _draw, uniforms
 
-_MASK32 = 0xFFFFFFFF
 _COMPACT_AT = 0.75  # as sampler._COMPACT_AT: compact the drained batch once at most this share is live
 _LENGTH, _EOS, _STOP, _ABORT = range(4)  # indices into _REASONS
 # Distinct prompts are prefilled together in this many, in the order the call names them: the prefill's
@@ -98,12 +99,13 @@ class _Row:
 
 class SlotSession:
     """Continuous batching on ``num_slots`` decode slots: rows are added at any time and each ``step()``
-    draws one token for every live row; a row that ends frees its slot for the next queued row at once.
+    draws one token for every live row; a row that ends frees its slot for the next queued row that step.
 
-    Rows are admitted in the order they were added. Rows may differ in sampling config (one draw per config
-    per step), max tokens, stop check and EOS handling. The slot batch starts as small as the queue allows
-    and grows up to ``num_slots`` when more rows wait; the cache's capacity grows with the longest prompt +
-    max tokens admitted; both start again from nothing whenever the session runs idle. Not thread-safe: one thread adds, steps and aborts.
+    Rows are admitted in the order they were added. Rows may differ in sampling distribution (one draw per
+    distribution per step), max tokens, stop check and EOS handling. The slot batch starts as small as the
+    queue allows and grows up to ``num_slots`` when more rows wait; the cache's capacity grows with the
+    longest prompt + max tokens admitted; both start again from nothing whenever the session runs idle. Not
+    thread-safe: one thread adds, steps and aborts.
     """
 
     def __init__(self, model: Any, *, eos_id: int, num_slots: int) -> None:
@@ -165,11 +167,14 @@ class SlotSession:
 
     @torch.no_grad()
     def step(self, abort: Any = None) -> list[Done]:
-        """One token for every live row (admitting queued rows into free slots first); the rows that ended.
+        """One token for every live row; the rows that ended. Queued rows take the slots free after the draw,
+        their prompts prefilled in this step's forward (rows queued while none is live are admitted first, on a
+        prefill of their own).
 
         ``abort()``, when given, is called after the draw and names rows to end at once (as ``abort``).
         """
-        self._admit()
+        if self._state is None or self._state.num_live == 0:
+            self._admit()  # nothing decodes: no forward to share
         state, done = self._state, self._aborted
         self._aborted = []
         if state is None or state.num_live == 0:
@@ -181,18 +186,32 @@ class SlotSession:
             self.abort(abort())
             done.extend(self._aborted)
             self._aborted = []
-        fresh = self._admit()
         if not self._queue:
             keep = state.maybe_compact()
             if keep is not None:
                 self._dec.keep(keep)
-                tok, fresh = tok[keep], fresh[keep]
-        active = (state.row >= 0) & ~fresh
-        if bool(active.any()):
-            state.logits = torch.where(active[:, None], self._dec.step(tok, active), state.logits)
-        elif not self._queue and not self._aborted and state.num_live == 0:
+                tok = tok[keep]
+        active = state.row >= 0
+        decoding = bool(active.any())
+        prompts = self._prefixes.plan(self._prefixes_of_next()) if self._queue else []
+        if prompts and self._capacity > self._dec.capacity:  # as _admit would: the prompts' rotary positions
+            self._dec.resize(self._dec.slots, self._capacity)
+        if decoding or prompts:
+            logits, prefilled = self._dec.step(tok if decoding else None, active if decoding else None,
+                                               [list(self._prefixes.prompt[u]) for u in prompts])
+            if decoding:
+                state.logits = torch.where(active[:, None], logits, state.logits)
+            self._prefixes.store(prompts, prefilled)
+        self._admit()
+        if not self._queue and not self._aborted and state.num_live == 0:
             self._reset()  # idle: the next rows start from an empty batch sized for them
         return done
+
+    def _prefixes_of_next(self) -> list[int]:
+        """The prompts of the queued rows the next ``_admit`` takes (the free slots, then the growth it asks for)."""
+        free, slots = int((self._state.row < 0).sum()), self._dec.slots
+        count = free + max(0, min(self.num_slots - slots, len(self._queue) - free))
+        return [self._rows[r].prompt for r in itertools.islice(self._queue, count)]
 
     def _reset(self) -> None:
         """Back to no slots and no capacity (the weights stay): a long prompt or max_tokens once served does not
@@ -201,10 +220,10 @@ class SlotSession:
         self._capacity = self._steps = 0
         self._dec.clear()
 
-    def _admit(self) -> torch.Tensor | None:
-        """Queued rows into free slots (lowest slot first), growing the batch when rows wait; fresh slots."""
+    def _admit(self) -> None:
+        """Queued rows into free slots (lowest slot first), growing the batch when rows wait."""
         if not self._queue:
-            return None if self._state is None else torch.zeros(self._state.row.numel(), dtype=torch.bool)
+            return
         need_cap, need_steps = self._capacity, self._steps
         if self._state is None:
             batch = max(_MIN_ROWS, min(self.num_slots, len(self._queue)))
@@ -216,7 +235,7 @@ class SlotSession:
         if grow > 0 or need_cap > dec.capacity:
             dec.resize(dec.slots + max(grow, 0), need_cap)
         state.resize(dec.slots, need_steps)
-        return state.admit(self._queue, self._rows, self._prefixes, dec)
+        state.admit(self._queue, self._rows, self._prefixes, dec)
 
 
 class _Slots:
@@ -256,12 +275,11 @@ class _Slots:
         self.sampling += [None] * max(0, more)
         self.stop += [None] * max(0, more)
 
-    def admit(self, queue: deque, rows: dict[int, _Row], prefixes: "_Prefixes", dec: _SlotDecoder) -> torch.Tensor:
-        fresh = torch.zeros(self.row.numel(), dtype=torch.bool)
+    def admit(self, queue: deque, rows: dict[int, _Row], prefixes: "_Prefixes", dec: _SlotDecoder) -> None:
         free = (self.row < 0).nonzero().flatten().tolist()
         taken = [queue.popleft() for _ in range(min(len(free), len(queue)))]
         if not taken:
-            return fresh
+            return
         slots = torch.tensor(free[: len(taken)], dtype=torch.long)
         streams = uniforms([rows[r].key for r in taken], self.u.shape[1])
         for slot, r in zip(slots.tolist(), taken):
@@ -283,8 +301,6 @@ class _Slots:
         self.first_end[slots] = _NEVER
         self.reason[slots] = _LENGTH
         self.u[slots] = streams
-        fresh[slots] = True
-        return fresh
 
     def draw(self, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A token and its log-prob for every slot (free slots draw too, ignored), each row under its distribution."""
@@ -380,7 +396,7 @@ class _Prefixes:
         self.prompt: dict[int, tuple[int, ...]] = {}
         self.left: dict[int, int] = {}  # queued rows of each prompt
         self.waiting: deque[int] = deque()  # distinct prompts with queued rows and no prefill yet, in order
-        self.ready: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
+        self.ready: dict[int, Prefilled] = {}
         self._next = 0
 
     def add(self, prompt: Sequence[int]) -> int:
@@ -402,13 +418,27 @@ class _Prefixes:
                 self.waiting.remove(u)
             self._forget(u)
 
-    def take(self, u: int, dec: _SlotDecoder) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        if u not in self.ready:
-            batch = [u]
+    def plan(self, needed: Sequence[int]) -> list[int]:
+        """The prompts to prefill now for rows about to be admitted: those of ``needed`` not prefilled yet, then
+        the next waiting ones in the order first added, _PREFILL_PROMPTS in all (more when more are needed);
+        none when every needed one is ready. ``store`` takes their prefill."""
+        batch = list(dict.fromkeys(u for u in needed if u not in self.ready))
+        if not batch:
+            return []
+        for u in batch:
             self.waiting.remove(u)
-            while self.waiting and len(batch) < _PREFILL_PROMPTS:
-                batch.append(self.waiting.popleft())
-            self.ready.update(zip(batch, dec.prefill([list(self.prompt[v]) for v in batch])))
+        while self.waiting and len(batch) < _PREFILL_PROMPTS:
+            batch.append(self.waiting.popleft())
+        return batch
+
+    def store(self, batch: Sequence[int], prefilled: Sequence[Prefilled]) -> None:
+        self.ready.update(zip(batch, prefilled))
+
+    def take(self, u: int, dec: _SlotDecoder) -> Prefilled:
+        """Prompt ``u``'s prefill for one of its rows (prefilled now, with the next waiting ones, if not yet)."""
+        if u not in self.ready:
+            batch = self.plan([u])
+            self.store(batch, dec.prefill([list(self.prompt[v]) for v in batch]))
         self.left[u] -= 1
         entry = self.ready[u]
         if self.left[u] == 0:
@@ -418,51 +448,3 @@ class _Prefixes:
     def _forget(self, u: int) -> None:
         del self.index[self.prompt.pop(u)], self.left[u]
         self.ready.pop(u, None)
-
-
-def row_key(seed: int, *parts: Any) -> int:
-    """A 64-bit stream key from the engine seed and what names a row (call, request, sample index)."""
-    import hashlib
-
-    text = repr((int(seed), *parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer on int64 tensors holding values in [0, 2^32)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
-def uniforms(keys: Sequence[int], steps: int) -> torch.Tensor:
-    """``[len(keys), steps]`` float64 in [0, 1): row r's draw for token t, a hash of (keys[r], t) with 53 bits."""
-    k = torch.tensor([[key & _MASK32, (key >> 32) & _MASK32] for key in keys], dtype=torch.long).view(-1, 2, 1)
-    t = torch.arange(steps, dtype=torch.long)[None]
-    a = _fmix(((t * 0x9E3779B9) & _MASK32) ^ k[:, 0])
-    a = _fmix(a ^ k[:, 1])
-    b = _fmix((a + 0x68E31DA4) & _MASK32 ^ k[:, 0])
-    return ((a >> 5) * 67108864 + (b >> 6)).double() / 9007199254740992.0
-
-
-@functools.lru_cache(maxsize=256)
-def _distribution(sampling: SamplingConfig) -> SamplingConfig:
-    """What a draw depends on (temperature, top-p, top-k): rows that differ only in max tokens or stop strings
-    (every serve request names its own max_new_tokens) share one draw per step."""
-    return SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=1)
-
-
-def _draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor | None):
-    """Per-row draws: greedy argmax, or inverse CDF of the processed distribution at the row's own uniform."""
-    if sampling.greedy:
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-        tok = logp.argmax(-1)
-    else:
-        logp = torch.log_softmax(process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), dim=-1)
-        cdf = logp.double().exp().cumsum(-1)  # [n, V]
-        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-

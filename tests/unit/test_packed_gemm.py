@@ -16,7 +16,8 @@ def _gemm():
     from rlctl_local_engine import gemm
 
     if not gemm.packing_available():
-        pytest.skip("this torch build has no oneDNN packed linear (torch.backends.mkldnn); the engine uses torch.matmul")
+        pytest.skip("this torch build has no oneDNN packed linear (torch.backends.mkldnn): the engine uses "
+                    "torch.matmul there and nothing here is run")
     return gemm
 
 
