@@ -43,6 +43,40 @@ def test_a_session_drained_at_once_equals_the_slot_scheduler(tiny_session):
     assert _samples(_drain(session)) == expected
 
 
+def test_a_prompt_that_joins_mid_flight_is_prefilled_inside_a_decode_step(tiny_session, monkeypatch):
+    """Only the first prompt (nothing decoding yet) gets a prefill forward of its own; the later ones ride in the
+    decode step's forward, and rows that differ only in max tokens share one draw per step."""
+    from rlctl_local_engine import slot_decoder, slots, streams
+
+    counts = {"prefill": 0, "fused": 0, "draws": 0, "steps": 0}
+    prefill, step, draw = slot_decoder._SlotDecoder.prefill, slot_decoder._SlotDecoder.step, streams._draw
+
+    def counted_prefill(self, prompts):
+        counts["prefill"] += 1
+        return prefill(self, prompts)
+
+    def counted_step(self, tok, active, prompts=()):
+        counts["fused"] += bool(prompts) and tok is not None
+        counts["steps"] += tok is not None
+        return step(self, tok, active, prompts)
+
+    def counted_draw(*args):
+        counts["draws"] += 1
+        return draw(*args)
+
+    monkeypatch.setattr(slot_decoder._SlotDecoder, "prefill", counted_prefill)
+    monkeypatch.setattr(slot_decoder._SlotDecoder, "step", counted_step)
+    monkeypatch.setattr(slots, "_draw", counted_draw)
+    requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_tokens=32 - 4 * i))
+                for i, r in enumerate(_requests(tiny_session, num_prompts=3))]
+    session = _engine(tiny_session).open_session(8)
+    out = _drain(session, add_at={0: requests[:1], 2: requests[1:2], 4: requests[2:]})
+    assert len(out) == 12 and {t.prompt_id for t in out} == {r.prompt_id for r in requests}
+    assert counts["prefill"] == 1 and counts["fused"] == 2
+    # one draw per step, not one per max_tokens (3 here); a step whose draw ends every live row decodes nothing
+    assert counts["steps"] <= counts["draws"] <= counts["steps"] + len(requests)
+
+
 def test_rows_that_join_mid_flight_draw_what_they_would_have_drawn_alone(tiny_session):
     """Requests added at steps 0, 3 and 11 (while others decode, on 3 slots that refill): each row's sample is the one
     it draws when everything is added at once (own stream; log-probs within the kernel bound)."""

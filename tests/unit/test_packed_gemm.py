@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_slot_engine import _assert_same_draws, _engine, _requests, _samples
+from tests.unit.test_slot_engine import _assert_same_draws, _engine, _requests, _samples, _worst_logprob_gap
 
 
 def _gemm():
@@ -65,19 +65,9 @@ def test_packed_batch_and_slot_engines_keep_the_learners_logprobs(tiny_session, 
     Twice the unpacked bound: oneDNN's fp32 sums carry about twice MKL's rounding error against float64 on the
     AMD EPYC host (max 1.2e-4 vs 4.5e-5 at K=1408; equal at K=128), and on these draws the slot scheduler's worst
     row moved from 5.6e-5 to 1.2e-4 (the batch scheduler's stayed at 3.1e-5)."""
-    from rlctl.kit.algo import process_logits
-
     for options in ({}, {"scheduler": "slots", "max_batch_sequences": 5}):
         engine = _engine(tiny_session, **options)
-        out = engine.generate(_requests(tiny_session, temperature=0.7, top_k=8))
-        config, worst = out[0].sampling_config, 0.0
-        for t in out:
-            ids = torch.tensor([list(t.prompt_tokens) + list(t.response_tokens)])
-            with torch.no_grad():
-                logits = engine.model(input_ids=ids).logits[0, len(t.prompt_tokens) - 1: -1]
-            processed = process_logits(logits, config.temperature, config.top_k, config.top_p)
-            recomputed = torch.log_softmax(processed, -1).gather(-1, torch.tensor(t.response_tokens)[:, None])[:, 0]
-            worst = max(worst, float((recomputed - torch.tensor(t.behavior_logprobs)).abs().max()))
+        worst = _worst_logprob_gap(engine, engine.generate(_requests(tiny_session, temperature=0.7, top_k=8)))
         assert worst <= 2e-4, f"{options}: max |logpi - logmu| = {worst:.2e}"
 
 

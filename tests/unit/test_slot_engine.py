@@ -75,20 +75,24 @@ def test_greedy_slots_equal_the_batch_scheduler(tiny_session):
                                       {"temperature": 1.3, "top_p": 0.8}])
 def test_behaviour_logprobs_match_a_full_forward(tiny_session, sampling):
     """The log-probs a slot row reports are those of the learner-style full-sequence forward (1e-4)."""
+    engine = _engine(tiny_session, scheduler="slots", max_batch_sequences=5)
+    worst = _worst_logprob_gap(engine, engine.generate(_requests(tiny_session, **sampling)))
+    assert worst <= 1e-4, f"max |logpi - logmu| = {worst:.2e}"
+
+
+def _worst_logprob_gap(engine, trajectories) -> float:
+    """max |behaviour log-prob - the learner-style full forward's| over every token of ``trajectories``."""
     from rlctl.kit.algo import process_logits
 
-    engine = _engine(tiny_session, scheduler="slots", max_batch_sequences=5)
-    out = engine.generate(_requests(tiny_session, **sampling))
-    config = out[0].sampling_config
-    worst = 0.0
-    for t in out:
+    config, worst = trajectories[0].sampling_config, 0.0
+    for t in trajectories:
         ids = torch.tensor([list(t.prompt_tokens) + list(t.response_tokens)])
         with torch.no_grad():
             logits = engine.model(input_ids=ids).logits[0, len(t.prompt_tokens) - 1: -1]
         processed = process_logits(logits, config.temperature, config.top_k, config.top_p)
         recomputed = torch.log_softmax(processed, -1).gather(-1, torch.tensor(t.response_tokens)[:, None])[:, 0]
         worst = max(worst, float((recomputed - torch.tensor(t.behavior_logprobs)).abs().max()))
-    assert worst <= 1e-4, f"max |logpi - logmu| = {worst:.2e}"
+    return worst
 
 
 def test_resumed_state_draws_what_a_straight_run_draws(tiny_session):
