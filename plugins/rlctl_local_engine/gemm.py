@@ -45,6 +45,7 @@ def packing_available() -> bool:
 
 class Linear:
     """``x @ weight.T + bias`` for one decoder projection; ``weight`` is ``[out, in]`` and copied (or reordered).
+    Only fp32 CPU weights are packed (a GPU's products stay torch's).
 
     ``transposed``: below the packing threshold, multiply by a pre-transposed ``[in, out]`` copy with
     ``torch.matmul`` (the slot decoder) instead of ``F.linear`` on the weight (the batch decoder).
@@ -56,7 +57,8 @@ class Linear:
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach().clone()
         self.transposed = transposed
-        self.packed = (weight.dtype == torch.float32 and weight.numel() >= PACK_MIN and packing_available())
+        self.packed = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= PACK_MIN
+                       and packing_available())
         if self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT)
         elif transposed:

@@ -53,6 +53,7 @@ def test_the_choice_is_by_shape_and_dtype_only():
     assert gemm.Linear(torch.zeros(768, 256), None).packed  # 256 x 768: the threshold
     assert not gemm.Linear(torch.zeros(767, 256), None).packed
     assert not gemm.Linear(torch.zeros(768, 256, dtype=torch.float64), None).packed
+    assert not gemm.Linear(torch.zeros(768, 256, device="meta"), None).packed  # not a CPU tensor (a GPU's)
     weight = torch.randn(768, 256)
     layer = gemm.Linear(weight, None)
     weight.zero_()  # the product keeps the weights it was built with
