@@ -9,10 +9,10 @@ step while the others keep decoding. Each slot has its own position and its own 
 cache, so a row's keys sit at positions 0.. of its slot whatever the schedule. A prompt is prefilled once
 (those rows need now, then the next waiting ones in the order added, 32 distinct prompts per prefill), inside
 the decode step's forward when rows are decoding (its positions are rows of the same weight products; 4-8%
-more tokens/s on the serve bench's arrivals) and on its own otherwise: its keys, values and last logits are
-kept until every one of its rows (the G samples) has been admitted and are copied into each row's slot. Once
-the queue is empty and at most three quarters of the slots are live, the batch is compacted as in
-``sampler.sample``.
+more tokens/s on an in-process replay of the serve bench's arrivals) and on its own otherwise: its keys,
+values and last logits are kept until every one of its rows (the G samples) has been admitted and are copied
+into each row's slot. Once the queue is empty and at most three quarters of the slots are live, the batch is
+compacted as in ``sampler.sample``.
 
 Schedule-independent samples: a row's draws come from its own stream (streams.py), a counter-based hash of
 (``keys[row]``, token index), turned into a token by inverse-CDF over the processed distribution. A row's
