@@ -44,8 +44,8 @@ def packing_available() -> bool:
 
 
 class Linear:
-    """``x @ weight.T + bias`` for one decoder projection; ``weight`` is ``[out, in]`` and copied (or reordered).
-    Only fp32 CPU weights are packed (a GPU's products stay torch's).
+    """``x @ weight.T + bias`` for one decoder projection; ``weight`` is ``[out, in]``, reordered (packed) or
+    copied transposed, else used as given. Only fp32 CPU weights are packed (a GPU's products stay torch's).
 
     ``transposed``: below the packing threshold, multiply by a pre-transposed ``[in, out]`` copy with
     ``torch.matmul`` (the slot decoder) instead of ``F.linear`` on the weight (the batch decoder).
@@ -63,8 +63,8 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT)
         elif transposed:
             self.weight = weight.t().contiguous()
-        else:
-            self.weight = weight.clone()
+        else:  # as given: the batch decoder refolds per call and never keeps it past the call
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -194,7 +194,7 @@ class SlotSession:
         active = state.row >= 0
         decoding = bool(active.any())
         prompts = self._prefixes.plan(self._prefixes_of_next()) if self._queue else []
-        if prompts and self._capacity > self._dec.capacity:  # as _admit would: the prompts' rotary positions
+        if prompts:  # the capacity _admit grows to: the prompts' rotary positions
             self._dec.resize(self._dec.slots, self._capacity)
         if decoding or prompts:
             logits, prefilled = self._dec.step(tok if decoding else None, active if decoding else None,
@@ -209,9 +209,13 @@ class SlotSession:
 
     def _prefixes_of_next(self) -> list[int]:
         """The prompts of the queued rows the next ``_admit`` takes (the free slots, then the growth it asks for)."""
-        free, slots = int((self._state.row < 0).sum()), self._dec.slots
-        count = free + max(0, min(self.num_slots - slots, len(self._queue) - free))
+        free = int((self._state.row < 0).sum())
+        count = free + self._growth(free)
         return [self._rows[r].prompt for r in itertools.islice(self._queue, count)]
+
+    def _growth(self, free: int) -> int:
+        """Slots to add for the queued rows that ``free`` slots do not take (up to ``num_slots``)."""
+        return max(0, min(self.num_slots - self._dec.slots, len(self._queue) - free))
 
     def _reset(self) -> None:
         """Back to no slots and no capacity (the weights stay): a long prompt or max_tokens once served does not
@@ -230,10 +234,9 @@ class SlotSession:
             self._dec.resize(batch, need_cap)
             self._state = _Slots(batch, need_steps, self._dec.vocab)
         state, dec = self._state, self._dec
-        free = int((state.row < 0).sum())
-        grow = min(self.num_slots - dec.slots, len(self._queue) - free)
+        grow = self._growth(int((state.row < 0).sum()))
         if grow > 0 or need_cap > dec.capacity:
-            dec.resize(dec.slots + max(grow, 0), need_cap)
+            dec.resize(dec.slots + grow, need_cap)
         state.resize(dec.slots, need_steps)
         state.admit(self._queue, self._rows, self._prefixes, dec)
 
