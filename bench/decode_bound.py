@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _setup import REPO  # noqa: E402, F401  (one thread, offline; must precede torch)
+import _setup  # noqa: E402, F401  (one thread, offline; must precede torch)
 
 import torch  # noqa: E402
 
