@@ -18,12 +18,15 @@ workload is ``--rows`` distinct arith prompts x ``--new-tokens`` fixed tokens (E
 4. the bound: ``generate`` time / (local GEMM time + local attention time) = the ratio to ``model.generate``
    the engine would reach if everything but its GEMMs and attention took no time at all. ``generate`` runs the
    same products (unfused) and the same attention, so a bound under 2 means 2x ``model.generate`` at fp32 needs
-   fewer or cheaper FLOPs (lower precision), not less overhead.
+   fewer or cheaper FLOPs (lower precision), not less overhead;
+5. what lower precision does for the baseline: ``model.generate`` on a bf16 copy of the model (timed with the
+   others; the local engine has no bf16 path: it decodes fp32 models only, numerically equal to the learner).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -91,7 +94,9 @@ def bench_shape(shape: str, args: argparse.Namespace, root: Path) -> dict[str, A
     lengths = [args.new_tokens] * len(rows)
     local = engines.local_engine(model, tok, rows, lengths)
     generate = engines.hf_generate(model, tok, rows, lengths)
-    rates = engines.interleave({"local": local, "generate": generate}, args.repeats, sum(lengths))
+    generate_bf16 = engines.hf_generate(copy.deepcopy(model).to(torch.bfloat16), tok, rows, lengths)
+    rates = engines.interleave({"local": local, "generate": generate, "generate_bf16": generate_bf16}, args.repeats,
+                               sum(lengths))
     ops = self_seconds(local)
     gemm = sum(ops.get(k, 0.0) for k in GEMM_OPS)
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
@@ -100,7 +105,8 @@ def bench_shape(shape: str, args: argparse.Namespace, root: Path) -> dict[str, A
     generate_s = sum(lengths) / rates["generate"]
     print(f"{shape}: local {rates['local']:,.0f} tok/s, generate {rates['generate']:,.0f}; profiled local "
           f"{profiled:.2f} s (GEMM {gemm:.2f}, attention {attention:.2f})", flush=True)
-    return {"shape": shape, "local": rates["local"], "generate": rates["generate"], "profiled": profiled,
+    return {"shape": shape, "local": rates["local"], "generate": rates["generate"],
+            "generate_bf16": rates["generate_bf16"], "profiled": profiled,
             "gemm": gemm, "attention": attention, "gemm_flops": flops / gemm, "kv_rate": kv_bytes / attention,
             "bound": generate_s / (gemm + attention)}
 
@@ -110,7 +116,7 @@ def render(rows: list[dict[str, Any]], fp32: float, bf16: float, caption: str) -
 
     heads = ["shape", "local tok/s", "generate tok/s", "local / generate", "local profiled s", "GEMM s",
              "GEMM GFLOP/s (% fp32 roofline)", "attention s (KV GB/s)", "other s",
-             "bound: generate s / (GEMM + attention) s"]
+             "bound: generate s / (GEMM + attention) s", "generate bf16 tok/s (x generate)"]
     table = Table(title=f"batch decode at fp32, one core; GEMM roofline fp32 {fp32 / 1e9:.0f} GFLOP/s, "
                   f"bf16 {bf16 / 1e9:.0f} GFLOP/s", caption=caption)
     for h in heads:
@@ -121,7 +127,8 @@ def render(rows: list[dict[str, Any]], fp32: float, bf16: float, caption: str) -
                  f"{r['profiled']:.4f}", f"{r['gemm']:.4f}",
                  f"{r['gemm_flops'] / 1e9:.1f} ({100 * r['gemm_flops'] / fp32:.0f}%)",
                  f"{r['attention']:.4f} ({r['kv_rate'] / 1e9:.1f})",
-                 f"{r['profiled'] - r['gemm'] - r['attention']:.4f}", f"{r['bound']:.2f}"]
+                 f"{r['profiled'] - r['gemm'] - r['attention']:.4f}", f"{r['bound']:.2f}",
+                 f"{r['generate_bf16']:,.0f} ({r['generate_bf16'] / r['generate']:.2f})"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     return table, "\n".join(lines) + f"\n\n{caption}\n"

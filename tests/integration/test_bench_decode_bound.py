@@ -24,6 +24,7 @@ def test_decode_bound_bench_runs_at_tiny_settings(tmp_path):
     attention = float(cells[7].split(" ")[0])
     assert gemm > 0 and attention > 0 and bound > 0
     assert abs(profiled - gemm - attention - other) < 2e-4  # the split adds up to the profiled run
+    assert float(cells[10].split(" ")[0].replace(",", "")) > 0  # generate on a bf16 copy ran
     assert "python bench/decode_bound.py --shapes quickstart" in table
 
 
