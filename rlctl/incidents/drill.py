@@ -168,6 +168,7 @@ class _Driller:
 
     def _collect(self, run_dir: Path, code: int, wall: float, stderr: str) -> _Run:
         from rlctl.registry.store import Registry
+        from rlctl.storage.step_lines import complete_lines
 
         info = run_dir / "run.json"
         run_id = json.loads(info.read_text())["run_id"] if info.is_file() else None
@@ -176,9 +177,7 @@ class _Driller:
             with Registry.open(self.registry_url) as reg:
                 events = reg.events(run_id)
                 steps = sorted({p.step for p in reg.metrics(run_id, ["reward_mean"])})
-        jsonl = run_dir / "metrics.jsonl"
-        jsonl_steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if line.strip()] \
-            if jsonl.is_file() else []
+        jsonl_steps = [line["step"] for line in complete_lines(run_dir / "metrics.jsonl")]
         if run_id is None:
             self.say(f"drill run in {run_dir} did not start: {stderr[-500:]}")
         return _Run(run_id, code, run_dir, events, steps, jsonl_steps, wall)

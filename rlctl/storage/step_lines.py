@@ -6,9 +6,11 @@ appends ``body`` (a JSON object holding ``"step"``) as one line and flushes it,
 so a crash loses at most the line being written; when a resumed run (or a NaN
 rollback inside one process) writes step s again, the lines for steps >= s
 left by the earlier attempt are cut off first, so the file never holds a step
-twice; a torn last line from a crash is always cut.
+twice; a torn last line from a crash is always cut. ``complete_lines`` reads
+such a file while it may be written (or after a crash): only lines that end
+in a newline.
 
-What this is not: what the lines mean (the writers') or a reader.
+What this is not: what the lines mean (the writers').
 """
 
 from __future__ import annotations
@@ -58,3 +60,11 @@ def _line_offsets(path: Path) -> list[tuple[int, int]]:
                 break
             offset += len(raw)
     return out
+
+
+def complete_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``path``'s newline-terminated lines (none if it does not exist). A last line without
+    its newline is being written now, or was torn by a crash, and is left out."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]

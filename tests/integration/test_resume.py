@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from rlctl.storage.step_lines import complete_lines
 from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_cli import REPO, rlctl
 
@@ -137,7 +138,7 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: f
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"train exited early ({proc.returncode}): {proc.stderr.read()}")
-        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line):
+        if any(line["step"] >= step for line in complete_lines(path)):  # not a line still being written
             return
         time.sleep(0.005)
     raise AssertionError(f"step {step} not reached in {timeout_s}s")

@@ -1,4 +1,5 @@
-"""The JSONL metric sink never holds a step twice, also across a resume or a torn last line."""
+"""The JSONL metric sink never holds a step twice, also across a resume or a torn last line; a reader of the file
+while it is written sees whole lines only."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def test_torn_last_line_is_cut_and_plain_append_keeps_history(tmp_path):
     sink.close()
     assert _steps(path) == [0, 1, 2]
     assert json.loads(path.read_text().splitlines()[1])["metrics"]["x"] == "nan"
+
+
+def test_a_reader_sees_whole_lines_only_while_a_line_is_written_or_after_a_crash(tmp_path):
+    from rlctl.storage.step_lines import complete_lines
+
+    path = tmp_path / "metrics.jsonl"
+    assert complete_lines(path) == []  # not written yet
+    path.write_text('{"step": 0, "metrics": {}}\n{"step": 1, "metr')  # step 1's line half written (or torn)
+    assert [line["step"] for line in complete_lines(path)] == [0]
+    path.write_text('{"step": 0, "metrics": {}}\n{"step": 1, "metrics": {}}\n')
+    assert [line["step"] for line in complete_lines(path)] == [0, 1]
