@@ -47,6 +47,13 @@ def place(config: "RunConfig", plugins: "Plugins", *, cache_root: Path,
     name, an option, the data, the model or the cluster is not usable.
     """
     if config.cluster.backend == "ray":
+        import importlib.util
+
+        from rlctl.contracts.errors import ConfigError
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("cluster.backend=ray needs Ray, which is not installed in this environment",
+                              "pip install -e '.[ray]', or set cluster.backend=local")
         from rlctl.placement.ray_placement import RayPlacement
 
         return RayPlacement(config, plugins, cache_root, progress, task)

@@ -115,6 +115,8 @@ def test_an_option_a_mode_cannot_honour_is_refused_before_any_role_is_built(plug
     from rlctl.contracts.errors import ConfigError
     from rlctl.placement import place
 
+    if "cluster.backend=ray" in overrides:
+        pytest.importorskip("ray", reason="needs ray: pip install -e '.[ray]'")
     config = load_config(None, [*TINY_OVERRIDES, *overrides])
     with pytest.raises(ConfigError, match=match) as err:
         place(config, plugins, cache_root=_rlctl_home / "cache")  # fails before Ray starts or a model loads
@@ -163,3 +165,19 @@ def test_a_resume_point_is_explicit(tiny_session, tmp_path):
     report = restore(tiny_session, loaded, shadow_tolerance=1e-5)
     assert report.resume == ResumePoint(3, cursor)
     assert json.loads(json.dumps(report.resume.queue_cursor)) == cursor
+
+
+def test_the_ray_backend_without_ray_installed_is_refused_with_the_install_command(plugins, _rlctl_home,
+                                                                                  monkeypatch):
+    import importlib.util
+
+    from rlctl.config.load import load_config
+    from rlctl.contracts.errors import ConfigError
+    from rlctl.placement import place
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    config = load_config(None, [*TINY_OVERRIDES, "cluster.backend=ray"])
+    with pytest.raises(ConfigError, match="needs Ray") as err:
+        place(config, plugins, cache_root=_rlctl_home / "cache")
+    assert "pip install -e '.[ray]'" in err.value.hint
