@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration import test_resume as r
 
-pytest.importorskip("deepspeed")
+pytest.importorskip("deepspeed", reason="needs deepspeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 pytestmark = pytest.mark.slow
 
 DS = ("train.learner=deepspeed", "train.learner_options.world_size=2", "train.steps=2")

@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import learner_context, rollout_batch
 from tests.unit.test_fsdp_checkpoint import _commit, _max_diff, _two_ranks_commit_then_step
 
-pytest.importorskip("deepspeed")
+pytest.importorskip("deepspeed", reason="needs deepspeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 pytestmark = pytest.mark.slow
 
 

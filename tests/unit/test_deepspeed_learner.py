@@ -21,7 +21,7 @@ from rlctl import RoleError
 from rlctl.contracts.types import LearnerContext
 from tests.helpers import learner_context, rollout_batch
 
-pytest.importorskip("deepspeed")
+pytest.importorskip("deepspeed", reason="needs deepspeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 pytestmark = pytest.mark.slow
 
 

@@ -20,7 +20,7 @@ def test_sharded_packed_steps_equal_the_single_process_packed_and_padded_learner
     from rlctl.kit import TorchLearner, TorchLearnerOptions
 
     if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
+        pytest.importorskip("deepspeed", reason="needs deepspeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
         from rlctl_deepspeed_learner.learner import DeepSpeedLearner as Sharded
         from rlctl_deepspeed_learner.options import DeepSpeedLearnerOptions as Options
         options = Options(zero_stage=3, world_size=2, rank_timeout_s=60)

@@ -164,7 +164,7 @@ def test_template_tokenizer_and_grader_changes_change_the_version_and_resume_ref
 
 
 def write_parquet(path: Path, columns: dict) -> str:
-    pa = pytest.importorskip("pyarrow")  # the ``data`` extra; CI installs it
+    pa = pytest.importorskip("pyarrow", reason="needs pyarrow: pip install -e '.[data]'")
     pq = pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table(columns), path)
     return str(path)
@@ -277,7 +277,7 @@ def test_length_grouping_is_a_validated_config_option():
 
 def save_gsm8k_like(tmp_path: Path, **extra_columns) -> str:
     """A DatasetDict with only train and test splits, GSM8K's columns (question, answer '... #### N')."""
-    datasets = pytest.importorskip("datasets")  # the ``data`` extra; CI installs it
+    datasets = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[data]'")
     train = {"question": [f"q{i}" for i in range(6)], "answer": [f"work\n#### {i}" for i in range(6)]}
     test = {"question": ["t1", "t2"], "answer": ["#### 10", "#### 1,234"]}
     for name, values in extra_columns.items():
@@ -302,7 +302,7 @@ def test_hf_disk_source_maps_columns_slices_splits_and_extracts_answers(tmp_path
 
 
 def test_hf_disk_chat_column_renders_with_the_template_and_single_dataset_dirs_work(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[data]'")
     from rlctl_tasks.hf_disk import HfDiskOptions, HfDiskTask
 
     dirs = {}
@@ -315,7 +315,7 @@ def test_hf_disk_chat_column_renders_with_the_template_and_single_dataset_dirs_w
 
 
 def test_hf_disk_errors_name_the_directory_split_column_or_row(tmp_path):
-    pytest.importorskip("datasets")
+    pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[data]'")
     from rlctl_tasks.hf_disk import HfDiskOptions, HfDiskTask
 
     path = save_gsm8k_like(tmp_path)
